@@ -1,0 +1,40 @@
+"""Ops the model calls, one dispatch point per backend.
+
+Each op has a torch reference here (the definition of correct, and the CPU backend). Accelerator
+backends (kernels/nki/ for Neuron, CUDA) replace individual entries where their kernels apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from kernels import activation, attention, norm, rotary
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable
+    add_rms_norm: Callable
+    apply_rotary: Callable
+    silu_and_mul: Callable
+    write_kv: Callable
+    decode_attention: Callable
+    prefill_attention: Callable
+
+
+TORCH_OPS = Ops(
+    rms_norm=norm.rms_norm,
+    add_rms_norm=norm.add_rms_norm,
+    apply_rotary=rotary.apply_rotary,
+    silu_and_mul=activation.silu_and_mul,
+    write_kv=attention.write_kv,
+    decode_attention=attention.decode_attention,
+    prefill_attention=attention.prefill_attention,
+)
+
+
+def get_ops(backend: str = "cpu") -> Ops:
+    if backend == "cpu":
+        return TORCH_OPS
+    raise ValueError(f"backend = {backend!r}: no ops registered (known: cpu)")

@@ -1,0 +1,9 @@
+"""SiLU-and-multiply over a fused gate|up projection, torch reference."""
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,80 @@
+"""Paged attention, torch reference.
+
+KV pool layout (one tensor per rank): kv[page, layer, k|v, kv_head, slot, head_dim].
+Page-major so a whole page (all layers, K and V) is one contiguous region: the unit that the KV
+handoff, the host tier and the remote store move. Head-major inside a (layer, k|v) block so one
+rank's share of the heads is contiguous too, which is what a TP-to-TP handoff copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence's chunk in a batch: tokens [q_start, q_start+q_len) of the flat batch."""
+    q_start: int
+    q_len: int
+    ctx_len: int  # tokens of context after this chunk (cached prefix + earlier chunks + this chunk)
+    pages: torch.Tensor  # [ceil(ctx_len / page_size)] page ids
+
+
+@dataclass
+class AttnMeta:
+    """What attention needs for one forward over a flat batch: decode tokens first, then prefill chunks."""
+    page_ids: torch.Tensor  # [T] page that each token's KV is written to
+    offsets: torch.Tensor  # [T] slot inside that page
+    num_decode: int
+    decode_pages: torch.Tensor | None  # [num_decode, max_pages] page table, padded with any valid page
+    decode_ctx: torch.Tensor | None  # [num_decode] context length including the new token
+    prefill: list[PrefillSeq]
+
+
+def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> None:
+    """k, v [T, Hk, D] into their slots (an in-place scatter: no data-dependent shapes)."""
+    kv[meta.page_ids, layer, 0, :, meta.offsets] = k
+    kv[meta.page_ids, layer, 1, :, meta.offsets] = v
+
+
+def _gather(kv: torch.Tensor, layer: int, pages: torch.Tensor):
+    """pages [..., n] -> k, v [..., Hk, n * page_size, D]."""
+    g = kv[pages, layer]  # [..., n, 2, Hk, P, D]
+    n, _, hk, p, d = g.shape[-5:]
+    g = g.movedim(-5, -3)  # [..., 2, Hk, n, P, D]
+    lead = g.shape[:-5]
+    g = g.reshape(*lead, 2, hk, n * p, d)
+    return g[..., 0, :, :, :], g[..., 1, :, :, :]
+
+
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, layer: int, meta: AttnMeta, scale: float):
+    """q [B, Hq, D] (one new token per sequence, its KV already written) -> [B, Hq, D]."""
+    k, v = _gather(kv, layer, meta.decode_pages)  # [B, Hk, S, D]
+    s = k.shape[-2]
+    mask = torch.arange(s)[None, :] < meta.decode_ctx[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out[:, :, 0, :]
+
+
+def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: torch.Tensor,
+                      layer: int, seq: PrefillSeq, page_size: int, scale: float):
+    """One chunk: q, k_new, v_new [q_len, H, D]; earlier context is read from the pages -> [q_len, Hq, D]."""
+    prior = seq.ctx_len - seq.q_len
+    qh = q.transpose(0, 1)[None]
+    if prior == 0:  # nothing cached before this chunk: plain causal attention on the fresh K/V
+        out = F.scaled_dot_product_attention(qh, k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None],
+                                             is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    n_prior_pages = (prior + page_size - 1) // page_size
+    k_old, v_old = _gather(kv, layer, seq.pages[:n_prior_pages])  # [Hk, n*P, D]
+    k = torch.cat((k_old[:, :prior], k_new.transpose(0, 1)), dim=1)
+    v = torch.cat((v_old[:, :prior], v_new.transpose(0, 1)), dim=1)
+    q_pos = prior + torch.arange(seq.q_len)
+    mask = torch.arange(seq.ctx_len)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(qh, k[None], v[None], attn_mask=mask[None, None],
+                                         scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)

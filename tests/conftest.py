@@ -1,0 +1,38 @@
+"""Shared fixtures: small random-weight models made once per session (the project makes its own)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+def _make(models_dir, name, **kw):
+    from trnd.model.maker import make_model
+
+    path = models_dir / name
+    if not path.exists():
+        make_model(path, **kw)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(models_dir):
+    return _make(models_dir, "tiny-qwen3", preset="tiny", arch="qwen3", seed=0, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(models_dir):
+    return _make(models_dir, "tiny-llama", preset="tiny", arch="llama", seed=1, dtype="float32", shards=2)
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama"])
+def tiny_model(request, tiny_qwen3, tiny_llama):
+    return tiny_qwen3 if request.param == "qwen3" else tiny_llama

@@ -1,0 +1,3 @@
+from trnd.cli import main
+
+raise SystemExit(main())

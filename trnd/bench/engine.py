@@ -1,0 +1,165 @@
+"""`trnd bench engine`: trnd's engine vs transformers on the same checkpoint, side by side in one run.
+
+Each side runs in its own child process (so peak memory is its own), one after the other, with the
+same prompts. Prefill: one prompt of --prompt-len tokens, time to first token. Decode: batches of
+short prompts, tokens/s over --new-tokens greedy tokens with eos ignored, prefill time subtracted.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import resource
+import time
+
+DECODE_PROMPT = 64
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab - 1, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _trnd_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[int]) -> dict:
+    from trnd.engine.request import SamplingParams
+    from trnd.llm import LLM
+
+    biggest = max(batches) * (DECODE_PROMPT + new) + prompt_len
+    llm = LLM(model, dtype=dtype, page_size=16, num_pages=biggest // 16 + 64, max_batch=max(batches),
+              prefix_cache=False, chunk_size=2048, token_budget=2048)
+    vocab = llm.engine.model_config.vocab_size
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(_prompts(1, 32, vocab, 99), one)  # warm-up
+    res = {}
+    p = _prompts(1, prompt_len, vocab, 0)
+    t = time.perf_counter()
+    llm.generate(p, one)
+    res["prefill_s"] = time.perf_counter() - t
+    for b in batches:
+        ps = _prompts(b, DECODE_PROMPT, vocab, b)
+        t = time.perf_counter()
+        llm.generate(ps, one)
+        t_pre = time.perf_counter() - t
+        t = time.perf_counter()
+        outs = llm.generate(ps, SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True))
+        total = time.perf_counter() - t
+        assert all(len(o.token_ids) == new + 1 for o in outs)
+        res[f"decode_b{b}_s"] = total - t_pre
+    return res
+
+
+def _hf_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[int]) -> dict:
+    import torch
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+    m.eval()
+    vocab = m.config.vocab_size
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, cache_implementation="static")
+
+    def gen(ps, n):
+        with torch.inference_mode():
+            return m.generate(torch.tensor(ps), max_new_tokens=n, min_new_tokens=n, **kw)
+
+    gen(_prompts(1, 32, vocab, 99), 2)  # warm-up
+    res = {}
+    t = time.perf_counter()
+    gen(_prompts(1, prompt_len, vocab, 0), 1)
+    res["prefill_s"] = time.perf_counter() - t
+    for b in batches:
+        ps = _prompts(b, DECODE_PROMPT, vocab, b)
+        t = time.perf_counter()
+        gen(ps, 1)
+        t_pre = time.perf_counter() - t
+        t = time.perf_counter()
+        out = gen(ps, new + 1)
+        total = time.perf_counter() - t
+        assert out.shape[1] == DECODE_PROMPT + new + 1
+        res[f"decode_b{b}_s"] = total - t_pre
+    return res
+
+
+def _child(side: str, args: tuple, conn) -> None:
+    fn = _trnd_side if side == "trnd" else _hf_side
+    try:
+        res = fn(*args)
+        res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        conn.send(json.dumps(res))
+    except BaseException as e:  # reported by the parent
+        conn.send(json.dumps({"error": repr(e)}))
+
+
+def run_side(side: str, args: tuple) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(side, args, child))
+    p.start()
+    res = json.loads(parent.recv())
+    p.join()
+    if "error" in res:
+        raise RuntimeError(f"{side}: {res['error']}")
+    return res
+
+
+def read_bandwidth_gbs() -> float:
+    """Measured memory read bandwidth: sum over a buffer much larger than the caches."""
+    import torch
+
+    x = torch.ones(256 * 2**20 // 4, dtype=torch.float32)  # 256 MiB
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(model_dir: str) -> int:
+    from safetensors import safe_open
+
+    from trnd.model.loader import _weight_files
+
+    total = 0
+    for f in set(_weight_files(__import__("pathlib").Path(model_dir)).values()):
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                total += n * (2 if sl.get_dtype() in ("BF16", "F16") else 4)
+    return total
+
+
+def main(args) -> int:
+    from trnd.roles.serve import resolve_model
+
+    model = str(resolve_model(args.model))
+    batches = [int(b) for b in args.batches.split(",")]
+    a = (model, args.dtype, args.prompt_len, args.new_tokens, batches)
+    print(f"trnd bench engine: model {model}, dtype {args.dtype}, prefill {args.prompt_len} tokens, "
+          f"decode {args.new_tokens} tokens at batch {batches}", flush=True)
+    ours = run_side("trnd", a)
+    theirs = None if args.skip_hf else run_side("hf", a)
+    bw = read_bandwidth_gbs()
+    wb = weight_bytes(model)
+    rows = [("prefill tok/s", args.prompt_len / ours["prefill_s"],
+             theirs and args.prompt_len / theirs["prefill_s"])]
+    for b in batches:
+        k = f"decode_b{b}_s"
+        rows.append((f"decode tok/s b={b}", b * args.new_tokens / ours[k],
+                     theirs and b * args.new_tokens / theirs[k]))
+    rows.append(("peak RSS MB", ours["peak_rss_mb"], theirs and theirs["peak_rss_mb"]))
+    print(f"{'metric':<20}{'trnd':>12}{'transformers':>14}{'ratio':>8}")
+    for name, o, t in rows:
+        ratio = f"{o / t:.2f}x" if t else "-"
+        print(f"{name:<20}{o:>12.1f}{(t or 0):>14.1f}{ratio:>8}")
+    step_ms = ours[f"decode_b{batches[0]}_s"] / args.new_tokens * 1e3 if batches[0] == 1 else None
+    floor_ms = wb / (bw * 1e9) * 1e3
+    print(f"weights {wb / 1e6:.0f} MB, measured read bandwidth {bw:.1f} GB/s -> bandwidth floor "
+          f"{floor_ms:.1f} ms/step" + (f"; trnd batch-1 step {step_ms:.1f} ms = {floor_ms / step_ms:.0%} of the "
+                                        "bandwidth limit" if step_ms else ""))
+    return 0

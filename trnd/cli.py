@@ -1,0 +1,97 @@
+"""The `trnd` command: serve, model, bench (and, as they land, prefill, decode, store, top)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EX_CONFIG = 78  # sysexits.h: a bad configuration; systemd units do not restart on it
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server in one process",
+                       description="Run trnd's OpenAI-compatible API and engine in one process. Flags override "
+                                   "values from --config.")
+    p.add_argument("--config", metavar="FILE", help="TOML file with ServeConfig fields (see configs/serve.toml)")
+    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory, or a preset name (tiny, small) "
+                                                  "made on first use; default: small")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, help="TCP port (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help="weights and KV dtype "
+                                                                                "(default: the checkpoint's)")
+    p.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
+    p.add_argument("--kv-memory-gb", type=float, help="memory for the KV page pool (default 1.0)")
+    p.add_argument("--max-model-len", type=int, help="max context per request (default: the model's, capped "
+                                                     "by the pool)")
+    p.add_argument("--max-batch", type=int, help="max running requests (default 32)")
+    p.add_argument("--token-budget", type=int, help="tokens computed per engine step (default 512)")
+    p.add_argument("--chunk-size", type=int, help="max prefill tokens of one request per step (default 512)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
+                   help="disable the radix prefix cache")
+    p.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def _model_parser(sub) -> None:
+    p = sub.add_parser("model", help="make or inspect models")
+    msub = p.add_subparsers(dest="model_cmd", required=True)
+    i = msub.add_parser("init", help="write a random-weight Hugging Face-format model with a trained tokenizer")
+    i.add_argument("dir", help="output directory")
+    i.add_argument("--preset", choices=["tiny", "small"], default="tiny", help="tiny: tests; small: ~100M, benchmarks")
+    i.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
+    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks that write the figures in docs/RESULTS.md")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    e = bsub.add_parser("engine", help="trnd vs transformers on one machine: prefill and decode tokens/s")
+    e.add_argument("--model", default="small", help="model dir or preset (default small)")
+    e.add_argument("--prompt-len", type=int, default=1024)
+    e.add_argument("--new-tokens", type=int, default=128)
+    e.add_argument("--batches", default="1,8,32")
+    e.add_argument("--dtype", default="bfloat16")
+    e.add_argument("--skip-hf", action="store_true", help="measure trnd only")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trnd", description="LLM serving daemon (OpenAI API, paged KV cache, "
+                                                              "disaggregated prefill/decode)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _serve_parser(sub)
+    _model_parser(sub)
+    _bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from trnd.config import ConfigError
+
+    try:
+        if args.cmd == "serve":
+            from trnd.config import ServeConfig, load_config
+            from trnd.log import setup_logging
+            from trnd.roles import serve
+
+            flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
+            cfg = load_config(ServeConfig, args.config, flags)
+            setup_logging(cfg.log_level)
+            return serve.run(cfg)
+        if args.cmd == "model":
+            from trnd.model.maker import make_model
+
+            path = make_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype)
+            print(f"trnd: wrote {args.preset} {args.arch} model (seed {args.seed}) to {path}")
+            return 0
+        if args.cmd == "bench":
+            from trnd.bench import engine as bench_engine
+
+            return bench_engine.main(args)
+    except ConfigError as e:
+        print(f"trnd: config error: {e}", file=sys.stderr)
+        return EX_CONFIG
+    return 2

@@ -1,0 +1,80 @@
+"""Typed role configuration: one msgspec Struct per role, loaded from TOML, validated once at start.
+
+Errors are one line naming the file and the field (msgspec's `- at $.field` path), so a bad config
+exits with EX_CONFIG and a message an operator can act on. Command-line flags override file values.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+Port = Annotated[int, Meta(ge=0, le=65535)]
+Positive = Annotated[int, Meta(ge=1)]
+PageSize = Annotated[int, Meta(ge=1, le=4096)]
+
+
+class ConfigError(ValueError):
+    """A bad config file or flag value; the message is one line naming the field."""
+
+
+class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The aggregated server (`trnd serve`): one process owning model, scheduler and HTTP front."""
+    model: str | None = None  # None: the embedded default (a tiny model made on first use)
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    api_key: str | None = None  # None: open; else required on /v1/* and /admin/*
+    api_key_file: str | None = None  # e.g. $CREDENTIALS_DIRECTORY/api_key under systemd
+    dtype: str | None = None
+    backend: str = "cpu"
+    page_size: PageSize = 16
+    kv_memory_gb: Annotated[float, Meta(gt=0)] = 1.0
+    num_pages: Positive | None = None
+    max_model_len: Positive | None = None
+    max_batch: Positive = 32
+    token_budget: Positive = 512
+    chunk_size: Positive = 512
+    prefix_cache: bool = True
+    max_requests: Positive = 1024  # in flight; beyond this new requests get 503 + Retry-After
+    max_body_bytes: Positive = 4 * 2**20
+    max_n: Annotated[int, Meta(ge=1, le=128)] = 16
+    served_model_name: str | None = None
+    threads: Positive | None = None
+    log_level: str = "info"
+    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+
+    def __post_init__(self):
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise msgspec.ValidationError(f"log_level = {self.log_level!r} is not one of debug, info, warning, "
+                                          "error - at `$.log_level`")
+        if self.dtype not in (None, "bfloat16", "float32", "float16"):
+            raise msgspec.ValidationError(f"dtype = {self.dtype!r} is not one of bfloat16, float32, float16 "
+                                          "- at `$.dtype`")
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key_file:
+            return Path(os.path.expandvars(self.api_key_file)).read_text().strip()
+        return self.api_key
+
+
+def load_config(cls: type[msgspec.Struct], path: str | Path | None, overrides: dict | None = None):
+    """Read TOML (if given), apply non-None overrides, validate. Raises ConfigError (one line)."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = msgspec.toml.decode(p.read_bytes())
+        except FileNotFoundError:
+            raise ConfigError(f"{p}: config file not found") from None
+        except msgspec.DecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as e:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}{e}".replace("\n", " ")) from None

@@ -1,0 +1,215 @@
+"""Engine: schedule -> run -> postprocess, one step at a time. Single-threaded by design: the servers
+drive it from one loop thread, the offline LLM calls step() directly, so both run the same code."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trnd.cache.pages import PagePool
+from trnd.cache.radix import RadixCache, check_pool_integrity
+from trnd.engine.output import OutputStream, StepOutput
+from trnd.engine.request import Req, SamplingParams, Status
+from trnd.engine.runner import ModelRunner, kv_page_bytes
+from trnd.engine.sampler import Sampler
+from trnd.engine.scheduler import Scheduler, SchedulerConfig
+from trnd.model.loader import load_model
+from trnd.model.tokenizer import Tokenizer
+from trnd.parallel import TP1, TPGroup
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str | None = None  # None: the checkpoint's own
+    backend: str = "cpu"
+    page_size: int = 16
+    num_pages: int | None = None  # None: derived from kv_memory_gb
+    kv_memory_gb: float = 1.0
+    max_model_len: int | None = None  # None: min(model's max positions, what the pool holds)
+    max_batch: int = 32
+    token_budget: int = 512
+    chunk_size: int = 512
+    prefix_cache: bool = True
+    seed: int | None = None  # for unseeded sampling (tests)
+    threads: int | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefill_tokens: int = 0  # tokens actually computed for prompts (excludes prefix-cache hits)
+    cached_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    last_step_s: float = 0.0
+    last_step_tokens: int = 0
+    started: float = field(default_factory=time.time)
+
+
+class LengthError(ValueError):
+    """A prompt, or prompt + max_tokens, that does not fit the context."""
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, tp: TPGroup = TP1):
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.model, self.model_config = load_model(cfg.model, cfg.dtype, tp, cfg.backend)
+        self.tokenizer = Tokenizer.from_dir(cfg.model)
+        mc = self.model_config
+        page_bytes = kv_page_bytes(mc, self.model.layers[0].attn.nk, cfg.page_size)
+        num_pages = cfg.num_pages or max(2, int(cfg.kv_memory_gb * 2**30) // page_bytes)
+        self.pool = PagePool(num_pages)
+        self.radix = RadixCache(self.pool, cfg.page_size, namespace=self.namespace)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.page_size, cfg.max_batch, cfg.token_budget, cfg.chunk_size,
+                                                   cfg.prefix_cache), self.pool, self.radix)
+        self.runner = ModelRunner(self.model, mc, num_pages, cfg.page_size)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, seed=cfg.seed)
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size)
+        self.streams: dict[str, OutputStream] = {}
+        self.stats = EngineStats()
+
+    @property
+    def namespace(self) -> str:
+        """Prefix-cache key space: pages are shared only between identical models and layouts."""
+        mc = self.model_config
+        return f"{Path(self.cfg.model).resolve().name}:{mc.arch}:{mc.dtype}:L{mc.num_layers}:kv{mc.num_kv_heads}"
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def check_length(self, num_prompt: int, max_tokens: int) -> None:
+        if num_prompt >= self.max_model_len:
+            raise LengthError(f"This model's maximum context length is {self.max_model_len} tokens. "
+                              f"However, your prompt has {num_prompt} tokens.")
+        if num_prompt + max_tokens > self.max_model_len:
+            raise LengthError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                              f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+            session_id: str | None = None) -> Req:
+        self.check_length(len(prompt_ids), params.max_tokens)
+        req = Req(prompt_ids, params, rid, session_id)
+        if req.rid in self.streams:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        self.streams[req.rid] = OutputStream(self.tokenizer, req)
+        self.scheduler.add(req)
+        self.stats.prompt_tokens += req.num_prompt
+        return req
+
+    def abort(self, rid: str) -> StepOutput | None:
+        req = self.scheduler.find(rid)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        self.stats.aborted += 1
+        return self.streams.pop(rid).finish(req)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        self.stats.preemptions += len(batch.preempted)
+        if batch.empty:
+            return []
+        logits, sampled = self.runner.run(batch)
+        outs = self.postprocess(batch, logits, sampled)
+        self.stats.steps += 1
+        self.stats.last_step_s = time.perf_counter() - t0
+        self.stats.last_step_tokens = batch.num_tokens
+        return outs
+
+    def postprocess(self, batch, logits: torch.Tensor, sampled: list[Req]) -> list[StepOutput]:
+        for req in batch.decode:
+            req.num_computed += 1
+        for req, n in batch.prefill:
+            if req.num_computed == req.num_cached and req.num_output == 0:
+                self.stats.cached_tokens += req.num_cached
+            req.num_computed += n
+            self.stats.prefill_tokens += n
+        outs = []
+        samples = self.sampler.sample(logits, sampled) if sampled else []
+        now = time.monotonic()
+        for req, s in zip(sampled, samples):
+            req.output_ids.append(s.token)
+            if s.logprob is not None:
+                req.output_logprobs.append((s.logprob, s.top_logprobs or []))
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            self.stats.generation_tokens += 1
+            stream = self.streams[req.rid]
+            reason = self._finish_reason(req, stream.push(s))
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                self.stats.finished += 1
+                self.streams.pop(req.rid)
+                outs.append(stream.finish(req))
+            else:
+                outs.append(stream.take(req))
+        return outs
+
+    def _finish_reason(self, req: Req, stopped_by_string: bool) -> str | None:
+        p, tok = req.params, req.output_ids[-1]
+        if stopped_by_string or tok in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and tok in self.sampler.eos_token_ids and req.num_output > p.min_tokens - 1:
+            return "stop"
+        if req.num_output >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- inspection ---------------------------------------------------------------------------------
+
+    def check_integrity(self) -> dict:
+        self.radix.check_integrity()
+        return check_pool_integrity(self.pool, self.radix, [r.pages for r in self.scheduler.running])
+
+    def state(self) -> dict:
+        """The /admin/state engine snapshot (schema in docs/API.md)."""
+        now = time.monotonic()
+        sched = self.scheduler
+
+        def req_state(r: Req) -> dict:
+            if r.status is Status.WAITING:
+                phase = "waiting"
+            elif r.is_prefilling:
+                phase = "prefilling"
+            else:
+                phase = "decoding"
+            dt = (r.last_token_time or now) - (r.first_token_time or now)
+            return {"id": r.rid, "session_id": r.session_id, "state": phase, "prompt_tokens": r.num_prompt,
+                    "cached_tokens": r.num_cached, "computed_tokens": r.num_computed,
+                    "generated_tokens": r.num_output, "max_tokens": r.params.max_tokens, "pages": len(r.pages),
+                    "tokens_per_s": round((r.num_output - 1) / dt, 2) if dt > 0 and r.num_output > 1 else None,
+                    "age_s": round(now - r.arrival, 3), "preemptions": r.num_preemptions}
+
+        in_use = len({p for r in sched.running for p in r.pages})
+        cached_only = self.radix.num_cached_pages - len(
+            {p for r in sched.running for p in r.pages} & set(self.radix.all_pages()))
+        st = self.stats
+        return {
+            "running": [req_state(r) for r in sched.running],
+            "waiting": [req_state(r) for r in sched.waiting],
+            "pages": {"total": self.pool.num_pages, "free": self.pool.num_free, "in_use": in_use,
+                      "cached": cached_only, "page_size": self.cfg.page_size,
+                      "page_bytes": self.runner.page_bytes},
+            "radix": self.radix.stats(),
+            "stats": dataclasses.asdict(st),
+            "limits": {"max_model_len": self.max_model_len, "max_batch": self.cfg.max_batch,
+                       "token_budget": self.cfg.token_budget, "chunk_size": self.cfg.chunk_size},
+        }

@@ -1,0 +1,134 @@
+"""EngineLoop: runs the Engine on its own thread and bridges it to asyncio servers.
+
+All engine state is touched only on the loop thread: servers send it closures through an inbox
+(add, abort, snapshot), and it hands each request's StepOutputs back to that request's asyncio queue.
+A step that hangs stops `last_progress` from moving, which /health and the systemd watchdog read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from trnd.engine.engine import Engine
+from trnd.engine.output import StepOutput
+from trnd.engine.request import SamplingParams
+
+log = logging.getLogger("trnd.engine")
+
+
+class QueueFull(RuntimeError):
+    """More requests in flight than the configured limit: the client should retry later."""
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, max_requests: int = 1024):
+        self.engine = engine
+        self.max_requests = max_requests
+        self.last_progress = time.monotonic()
+        self.error: BaseException | None = None
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name="trnd-engine", daemon=True)
+        self.stall_s = 0.0  # test hook: a step that takes this long (a hung loop, for watchdog tests)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._queues)
+
+    # -- called from any thread ---------------------------------------------------------------------
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run fn on the loop thread between steps; the future holds its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # handed to the caller
+                    fut.set_exception(e)
+
+        self._inbox.put(run)
+        self._wake.set()
+        return fut
+
+    async def run_on_loop(self, fn: Callable[[], object]):
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, rid: str,
+                       session_id: str | None = None) -> AsyncIterator[StepOutput]:
+        """Stream one request's outputs. Cancelling the consumer (client gone) aborts the request."""
+        self.engine.check_length(len(prompt_ids), params.max_tokens)
+        if len(self._queues) >= self.max_requests:
+            raise QueueFull(f"{len(self._queues)} requests in flight (limit {self.max_requests})")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = (asyncio.get_running_loop(), q)
+        try:
+            await self.run_on_loop(lambda: self.engine.add(prompt_ids, params, rid, session_id))
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self._queues.pop(rid, None) is not None and not self._stop.is_set():
+                self.call(lambda: self.engine.abort(rid))  # no-op if it already finished
+
+    def abort(self, rid: str) -> concurrent.futures.Future:
+        return self.call(lambda: self._abort(rid))
+
+    # -- the loop thread ----------------------------------------------------------------------------
+
+    def _abort(self, rid: str) -> bool:
+        out = self.engine.abort(rid)
+        if out is not None:
+            self._deliver(out)
+        return out is not None
+
+    def _deliver(self, out: StepOutput) -> None:
+        entry = self._queues.get(out.rid)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.last_progress = time.monotonic()
+                while True:
+                    try:
+                        self._inbox.get_nowait()()
+                    except queue.Empty:
+                        break
+                if not self.engine.has_work:
+                    self._wake.wait(0.25)
+                    self._wake.clear()
+                    continue
+                if self.stall_s:
+                    time.sleep(self.stall_s)
+                for out in self.engine.step():
+                    self._deliver(out)
+        except BaseException as e:  # a broken engine must not leave clients waiting forever
+            log.exception("engine loop crashed")
+            self.error = e
+            for loop, q in list(self._queues.values()):
+                loop.call_soon_threadsafe(q.put_nowait, RuntimeError(f"engine loop crashed: {e}"))

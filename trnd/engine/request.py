@@ -1,0 +1,104 @@
+"""The request record: one mutable `Req` per sequence, with plain public counters.
+
+Token accounting (all counts are tokens, indices are into `all_ids`):
+  all_ids = prompt_ids + output_ids
+  [0, num_cached)     KV found in the prefix cache at admission (pages shared, locked)
+  [0, num_computed)   KV present in this request's pages (cached + computed by us)
+  pages[i] holds the KV of tokens [i * page_size, (i + 1) * page_size)
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-5 or self.top_k == 1
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Req:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                 session_id: str | None = None):
+        if not prompt_ids:
+            raise ValueError("prompt_ids: a request needs at least one prompt token")
+        self.rid = rid if rid is not None else f"req-{next(_ids)}"
+        self.session_id = session_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.status = Status.WAITING
+        self.pages: list[int] = []
+        self.num_cached = 0  # prefix-cache hit at the latest admission
+        self.num_computed = 0
+        self.num_locked_pages = 0  # leading pages borrowed from the radix cache (locked there)
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        # Per-output-token (logprob, [(token, logprob), ...]) when params.logprobs is set.
+        self.output_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV still has to be computed before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed > 1 or self.num_output == 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Req({self.rid}, prompt={self.num_prompt}, out={self.num_output}, "
+                f"computed={self.num_computed}, pages={len(self.pages)}, {self.status.value})")

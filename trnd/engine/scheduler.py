@@ -1,0 +1,166 @@
+"""Continuous batching with chunked prefill, as plain Python over queues, free pages and a token budget.
+
+Each step: running requests first (decodes, then unfinished prefill chunks), then admissions from the
+waiting queue while the token budget, the batch limit and the free pages allow. Pages are checked,
+then committed; when they run out, cached-only pages are evicted from the radix cache, and after that
+the youngest running request is preempted (its KV released to the cache, recomputed later).
+No torch here: the scheduler decides, the runner computes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from trnd.cache.pages import PagePool
+from trnd.cache.radix import RadixCache
+from trnd.engine.request import Req, Status
+
+
+@dataclass
+class SchedulerConfig:
+    page_size: int = 16
+    max_batch: int = 32  # running requests (decode batch) at most
+    token_budget: int = 512  # tokens computed per step (decode tokens + prefill chunk tokens)
+    chunk_size: int = 512  # prefill tokens of one request per step
+    prefix_cache: bool = True
+
+
+@dataclass
+class Batch:
+    decode: list[Req] = field(default_factory=list)  # one token each
+    prefill: list[tuple[Req, int]] = field(default_factory=list)  # (request, tokens this step)
+    preempted: list[Req] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pool: PagePool, radix: RadixCache):
+        self.cfg, self.pool, self.radix = cfg, pool, radix
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self._locks: dict[str, object] = {}  # rid -> radix node locked for its borrowed prefix
+
+    # -- queue operations ---------------------------------------------------------------------------
+
+    def add(self, req: Req) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def finish(self, req: Req, reason: str) -> None:
+        """Done (eos/length/stop/abort): its full pages go to the prefix cache, the rest are freed."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def find(self, rid: str) -> Req | None:
+        return next((r for r in (*self.running, *self.waiting) if r.rid == rid), None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.cfg.token_budget
+        for req in list(self.running):
+            if req not in self.running:  # preempted earlier in this loop to make room
+                continue
+            n = self._chunk(req, budget)
+            if n == 0:
+                continue
+            if not self._make_room(req, n, batch):
+                continue
+            budget -= n
+            if req.is_prefilling:
+                batch.prefill.append((req, n))
+            else:
+                batch.decode.append(req)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch:
+            req = self.waiting[0]
+            if not self._admit(req, budget):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            n = self._chunk(req, budget)
+            budget -= n
+            batch.prefill.append((req, n))
+        return batch
+
+    def _chunk(self, req: Req, budget: int) -> int:
+        return min(req.num_uncomputed, budget, self.cfg.chunk_size)
+
+    def _pages_needed(self, req: Req, n: int) -> int:
+        total = -(-(req.num_computed + n) // self.cfg.page_size)
+        return max(0, total - len(req.pages))
+
+    def _reserve(self, need: int) -> bool:
+        """Make `need` pages free, evicting cached-only pages if necessary. Check, then commit."""
+        if self.pool.num_free < need:
+            self.radix.evict(need - self.pool.num_free)
+        return self.pool.num_free >= need
+
+    def _make_room(self, req: Req, n: int, batch: Batch) -> bool:
+        need = self._pages_needed(req, n)
+        while not self._reserve(need):
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch.preempted.append(victim)
+            if victim is req:
+                return False
+        req.pages += self.pool.alloc(need)
+        return True
+
+    def _admit(self, req: Req, budget: int) -> bool:
+        if req.num_computed == 0 and self.cfg.prefix_cache:
+            # Match on all but the last token: at least one token must run to produce logits.
+            m = self.radix.match(req.all_ids[:-1])
+            if m.pages:
+                self.radix.lock(m.node)
+                self._locks[req.rid] = m.node
+                self.pool.ref(m.pages)
+                req.pages = list(m.pages)
+                req.num_locked_pages = len(m.pages)
+            req.num_cached = req.num_computed = m.num_tokens
+        need = self._pages_needed(req, self._chunk(req, budget))
+        if self._reserve(need):
+            req.pages += self.pool.alloc(need)
+            return True
+        self._release(req)  # give back what the match borrowed; try again next step
+        return False
+
+    def preempt(self, req: Req) -> None:
+        """Recompute later: release the KV (to the cache, where it may still be found) and requeue first."""
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Req) -> None:
+        if req.pages and self.cfg.prefix_cache:
+            full = req.num_computed // self.cfg.page_size
+            if full:
+                self.radix.insert(req.all_ids[: full * self.cfg.page_size], req.pages[:full])
+        node = self._locks.pop(req.rid, None)
+        if node is not None:
+            self.radix.unlock(node)
+        if req.pages:
+            self.pool.unref(req.pages)
+        req.pages = []
+        req.num_locked_pages = 0
+        req.num_computed = 0

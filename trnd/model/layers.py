@@ -1,0 +1,101 @@
+"""Tensor-parallel building blocks. Each parameter records where its shard comes from in the
+checkpoint (`Source`s, concatenated along dim 0), so the loader reads only this rank's slices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trnd.parallel import TPGroup
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str  # tensor name in the safetensors files
+    dim: int | None = None  # None: the whole tensor; else slice [start, end) along dim
+    start: int = 0
+    end: int = 0
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Column-parallel use: W holds this rank's output rows; row-parallel use:
+    W holds this rank's input columns and the partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, sources: list[Source], dtype: torch.dtype,
+                 tp: TPGroup, reduce: bool = False, bias_sources: list[Source] | None = None):
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.weight.sources = sources
+        self.bias = None
+        if bias_sources:
+            self.bias = _param(out_features, dtype=dtype)
+            self.bias.sources = bias_sources
+        self.reduce = reduce
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce:  # row-parallel: add the bias once, after the reduction
+            y = self.tp.all_reduce(F.linear(x, self.weight))
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+def column_sources(name: str, start: int, end: int) -> list[Source]:
+    return [Source(name, 0, start, end)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, name: str, dtype: torch.dtype, ops):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype)
+        self.weight.sources = [Source(name)]
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class VocabEmbedding(nn.Module):
+    """Vocab-parallel: each rank holds rows [start, end); tokens outside contribute zeros, then all-reduce."""
+
+    def __init__(self, vocab: int, dim: int, name: str, dtype: torch.dtype, tp: TPGroup):
+        super().__init__()
+        per = -(-vocab // tp.size)
+        self.start, self.end = tp.rank * per, min((tp.rank + 1) * per, vocab)
+        self.weight = _param(per, dim, dtype=dtype)
+        self.weight.sources = [Source(name, 0, self.start, self.end)]
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (ids < self.start) | (ids >= self.end)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(out)
+
+
+class LMHead(nn.Module):
+    """Vocab-parallel output projection; logits are gathered so every rank sees the full row."""
+
+    def __init__(self, vocab: int, dim: int, name: str, dtype: torch.dtype, tp: TPGroup):
+        super().__init__()
+        per = -(-vocab // tp.size)
+        start, end = tp.rank * per, min((tp.rank + 1) * per, vocab)
+        self.vocab = vocab
+        self.weight = _param(per, dim, dtype=dtype)
+        self.weight.sources = [Source(name, 0, start, end)]
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        return self.tp.all_gather_last(logits)[:, : self.vocab]

@@ -1,0 +1,126 @@
+"""Llama and Qwen3 decoder (GQA, RoPE with Llama-3 scaling, RMSNorm, SwiGLU, optional q/k norm).
+
+One class serves both: Qwen3 differs only by per-head RMSNorm on q and k before RoPE.
+The forward takes a flat batch of tokens from many sequences (decode tokens first, then prefill
+chunks) and a paged KV pool; it returns logits only for the rows the caller will sample from.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import Ops
+from kernels.attention import AttnMeta
+from kernels.rotary import cos_sin, inv_freq
+from trnd.model.config import ModelConfig
+from trnd.model.layers import LMHead, Linear, RMSNorm, Source, VocabEmbedding
+from trnd.parallel import TPGroup
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops):
+        super().__init__()
+        hd, dt = cfg.head_dim, cfg.dtype
+        q0, q1 = tp.split(cfg.num_heads, "num_attention_heads")
+        k0, k1 = tp.kv_heads(cfg.num_kv_heads)
+        self.layer, self.hd, self.nq, self.nk = layer, hd, q1 - q0, k1 - k0
+        self.scale = hd ** -0.5
+        self.ops = ops
+        p = f"model.layers.{layer}.self_attn."
+
+        def qkv_sources(suffix: str) -> list[Source]:
+            return [Source(p + "q_proj." + suffix, 0, q0 * hd, q1 * hd),
+                    Source(p + "k_proj." + suffix, 0, k0 * hd, k1 * hd),
+                    Source(p + "v_proj." + suffix, 0, k0 * hd, k1 * hd)]
+
+        self.qkv = Linear(cfg.hidden_size, (self.nq + 2 * self.nk) * hd, qkv_sources("weight"), dt, tp,
+                          bias_sources=qkv_sources("bias") if cfg.attention_bias else None)
+        self.o = Linear(self.nq * hd, cfg.hidden_size, [Source(p + "o_proj.weight", 1, q0 * hd, q1 * hd)], dt, tp,
+                        reduce=True)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, p + "q_norm.weight", dt, ops)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, p + "k_norm.weight", dt, ops)
+
+    def forward(self, x, cos, sin, kv: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        t, hd, nq, nk = x.shape[0], self.hd, self.nq, self.nk
+        q, k, v = self.qkv(x).split([nq * hd, nk * hd, nk * hd], dim=-1)
+        q, k, v = q.view(t, nq, hd), k.view(t, nk, hd), v.view(t, nk, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.ops.apply_rotary(q, k, cos, sin)
+        self.ops.write_kv(kv, self.layer, k, v, meta)
+        nd = meta.num_decode
+        if nd == t:
+            out = self.ops.decode_attention(q, kv, self.layer, meta, self.scale)
+        else:
+            out = torch.empty_like(q)
+            if nd:
+                out[:nd] = self.ops.decode_attention(q[:nd], kv, self.layer, meta, self.scale)
+            page_size = kv.shape[4]
+            for s in meta.prefill:
+                sl = slice(s.q_start, s.q_start + s.q_len)
+                out[sl] = self.ops.prefill_attention(q[sl], k[sl], v[sl], kv, self.layer, s, page_size, self.scale)
+        return self.o(out.reshape(t, nq * hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops):
+        super().__init__()
+        i0, i1 = tp.split(cfg.intermediate_size, "intermediate_size")
+        p = f"model.layers.{layer}.mlp."
+        self.gate_up = Linear(cfg.hidden_size, 2 * (i1 - i0),
+                              [Source(p + "gate_proj.weight", 0, i0, i1), Source(p + "up_proj.weight", 0, i0, i1)],
+                              cfg.dtype, tp)
+        self.down = Linear(i1 - i0, cfg.hidden_size, [Source(p + "down_proj.weight", 1, i0, i1)], cfg.dtype, tp,
+                           reduce=True)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.ops.silu_and_mul(self.gate_up(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops):
+        super().__init__()
+        p = f"model.layers.{layer}."
+        self.attn = Attention(cfg, layer, tp, ops)
+        self.mlp = MLP(cfg, layer, tp, ops)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, p + "input_layernorm.weight", cfg.dtype, ops)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, p + "post_attention_layernorm.weight",
+                                 cfg.dtype, ops)
+        self.ops = ops
+
+    def forward(self, x, residual, cos, sin, kv, meta):
+        if residual is None:
+            residual, x = x, self.input_norm(x)
+        else:
+            x, residual = self.ops.add_rms_norm(x, residual, self.input_norm.weight, self.input_norm.eps)
+        x = self.attn(x, cos, sin, kv, meta)
+        x, residual = self.ops.add_rms_norm(x, residual, self.post_norm.weight, self.post_norm.eps)
+        return self.mlp(x), residual
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, ops: Ops):
+        super().__init__()
+        self.cfg, self.tp, self.ops = cfg, tp, ops
+        self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, "model.embed_tokens.weight", cfg.dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight", cfg.dtype, ops)
+        head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, head_name, cfg.dtype, tp)
+        self.register_buffer("inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttnMeta,
+                sample_rows: torch.Tensor) -> torch.Tensor:
+        """ids, positions [T]; sample_rows [B] rows of the batch to compute logits for -> [B, vocab] fp32."""
+        cos, sin = cos_sin(positions, self.inv_freq, self.cfg.dtype)
+        x, residual = self.embed(ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        x, residual = x[sample_rows], residual[sample_rows]
+        x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return self.lm_head(x).float()

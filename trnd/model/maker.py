@@ -1,0 +1,295 @@
+"""Random-weight Hugging Face checkpoints, made locally: there is no model hub to download from.
+
+`make_model` writes a directory that `transformers` and trnd's loader both read: config.json, safetensors
+weights (sharded with an index when asked), a byte-level BPE tokenizer.json trained on the text in
+`corpus/`, tokenizer_config.json with a ChatML template, and generation_config.json.
+Same (preset, arch, seed, dtype, shards, overrides) -> byte-identical files.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+CORPUS_DIR = Path(__file__).parent / "corpus"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: the trainer adds them first
+ENDOFTEXT, IM_START, IM_END = 0, 1, 2
+
+# Shapes per preset. `tokenizer_vocab` is the BPE training target; `vocab_size` None means "the trained
+# tokenizer's size rounded up to a multiple of 64".
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=128, tokenizer_vocab=1024, vocab_size=None),
+    "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                  head_dim=64, intermediate_size=2048, tokenizer_vocab=32000, vocab_size=32000),
+}
+PRESETS["tiny-gqa1"] = dict(PRESETS["tiny"], num_key_value_heads=1)  # fewer KV heads than a TP degree of 2
+ARCHS = ("qwen3", "llama")
+LOGIT_STD = 2.0  # spread of the random model's logits, see random_weights
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}\n"
+    "{%- if message['content'] is string %}\n"
+    "{{- message['content'] }}\n"
+    "{%- elif message['content'] is not none %}\n"
+    "{%- for part in message['content'] %}\n"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- endif %}\n"
+    "{{- '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRND_CACHE_DIR") or Path.home() / ".cache" / "trnd")
+
+
+def default_model_dir(preset: str = "tiny", arch: str = "qwen3", seed: int = 0) -> Path:
+    return cache_dir() / "models" / f"{preset}-{arch}-s{seed}"
+
+
+def ensure_model(preset: str = "tiny", arch: str = "qwen3", seed: int = 0) -> Path:
+    """The default model directory, made on first use.
+
+    A file lock keeps concurrent callers from doing the work twice; building in a temporary sibling and
+    renaming it into place means a crash never leaves a half-written model at the final path.
+    """
+    final = default_model_dir(preset, arch, seed)
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "config.json").is_file():  # another process made it while we waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        try:
+            make_model(tmp, preset=preset, arch=arch, seed=seed)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen3", seed: int = 0,
+               dtype: str = "bfloat16", shards: int | None = None, overrides: dict | None = None) -> Path:
+    """Write a random-weight checkpoint into `out_dir` (created if needed) and return its path."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset: {preset!r} is not one of {sorted(PRESETS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch: {arch!r} is not one of {list(ARCHS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok_json = train_tokenizer(PRESETS[preset]["tokenizer_vocab"])
+    tok_size = Tokenizer.from_str(tok_json).get_vocab_size(with_added_tokens=True)
+    config = make_config(preset, arch, tok_size, dtype, overrides)
+    if shards is None:
+        shards = 2 if preset == "small" else 1
+
+    tensors = random_weights(config, seed, DTYPES[dtype])
+    write_safetensors(out, tensors, shards)
+    (out / "tokenizer.json").write_text(tok_json, encoding="utf-8")
+    _write_json(out / "config.json", config)
+    _write_json(out / "tokenizer_config.json", tokenizer_config())
+    _write_json(out / "generation_config.json", {
+        "bos_token_id": ENDOFTEXT, "eos_token_id": [IM_END, ENDOFTEXT], "pad_token_id": ENDOFTEXT})
+    return out
+
+
+def make_config(preset: str, arch: str, tokenizer_size: int, dtype: str = "bfloat16",
+                overrides: dict | None = None) -> dict:
+    p = PRESETS[preset]
+    vocab = p["vocab_size"] or -(-tokenizer_size // 64) * 64
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"],
+        "model_type": arch,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ENDOFTEXT,
+        "eos_token_id": IM_END,
+        "pad_token_id": ENDOFTEXT,
+        "head_dim": p["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": p["hidden_size"],
+        "initializer_range": 0.02,
+        "intermediate_size": p["intermediate_size"],
+        "max_position_embeddings": 131072,  # RoPE has no learned limit; decode points reach long contexts
+        "num_attention_heads": p["num_attention_heads"],
+        "num_hidden_layers": p["num_hidden_layers"],
+        "num_key_value_heads": p["num_key_value_heads"],
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": dtype,  # transformers 4.x reads this one, 5.x reads "dtype"
+        "dtype": dtype,
+        "use_cache": True,
+        "vocab_size": vocab,
+    }
+    if arch == "qwen3":
+        cfg.update(rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=True,
+                   use_sliding_window=False, sliding_window=None, max_window_layers=p["num_hidden_layers"])
+    else:  # Llama-3.1 style, so the llama3 RoPE frequency-scaling path is exercised
+        cfg.update(rope_theta=500000.0, tie_word_embeddings=False, mlp_bias=False, pretraining_tp=1,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    for key, value in (overrides or {}).items():
+        if key not in cfg:
+            raise ValueError(f"overrides: unknown config field {key!r}")
+        cfg[key] = value
+    if cfg["vocab_size"] < tokenizer_size:
+        raise ValueError(f"overrides: vocab_size {cfg['vocab_size']} is below the tokenizer's {tokenizer_size}")
+    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
+        raise ValueError("overrides: num_attention_heads must be a multiple of num_key_value_heads")
+    return cfg
+
+
+def param_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes, in checkpoint order (embeddings, layers 0..L-1, final norm, head)."""
+    h, d, i = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (nq * d, h)
+        shapes[p + "self_attn.k_proj.weight"] = (nkv * d, h)
+        shapes[p + "self_attn.v_proj.weight"] = (nkv * d, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, nq * d)
+        if cfg["model_type"] == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    return shapes
+
+
+def param_count(cfg: dict) -> int:
+    return sum(torch.Size(s).numel() for s in param_shapes(cfg).values())
+
+
+def random_weights(cfg: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Embeddings (and an untied head) ~ N(0, initializer_range); block matrices ~ N(0, 1/fan_in);
+    RMSNorm weights ~ 1 + N(0, 0.05), times LOGIT_STD / (sqrt(hidden) * initializer_range) for the final norm.
+
+    Why not N(0, 0.02) everywhere: at hidden 64 the blocks would then add almost nothing to the residual
+    stream, a tied model would just copy its input token, and the logits (std ~0.16) would be flat.
+    Scale-preserving blocks make the output depend on the context, and the final-norm gain gives logits
+    with std ~LOGIT_STD whatever the width, so sampling parameters have something to act on.
+    One generator drawn in checkpoint order makes the bytes depend only on the seed.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    std = cfg["initializer_range"]
+    logit_gain = LOGIT_STD / (cfg["hidden_size"] ** 0.5 * std)
+    out = {}
+    for name, shape in param_shapes(cfg).items():
+        w = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if len(shape) == 1:
+            w.mul_(0.05).add_(1.0)
+            if name == "model.norm.weight":
+                w.mul_(logit_gain)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            w.mul_(std)
+        else:
+            w.mul_(shape[1] ** -0.5)
+        out[name] = w.to(dtype).contiguous()
+    return out
+
+
+def write_safetensors(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    if shards < 1 or shards > len(tensors):
+        raise ValueError(f"shards: {shards} must be between 1 and the number of tensors ({len(tensors)})")
+    meta = {"format": "pt"}
+    if shards == 1:
+        save_file(tensors, out / "model.safetensors", metadata=meta)
+        return
+    groups = _split([t.nbytes for t in tensors.values()], shards)
+    names = list(tensors)
+    weight_map = {}
+    for k, idx in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({names[j]: tensors[names[j]] for j in idx}, out / fname, metadata=meta)
+        weight_map.update({names[j]: fname for j in idx})
+    total = sum(t.nbytes for t in tensors.values())
+    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _split(sizes: list[int], n: int) -> list[list[int]]:
+    """Contiguous groups of about total/n bytes each, none empty (n <= len(sizes))."""
+    total, acc, groups = sum(sizes), 0, [[]]
+    for j, size in enumerate(sizes):
+        left = len(sizes) - j  # tensors not yet placed, this one included
+        if groups[-1] and len(groups) < n and (acc >= total * len(groups) / n or left == n - len(groups)):
+            groups.append([])
+        groups[-1].append(j)
+        acc += size
+    return groups
+
+
+@functools.lru_cache(maxsize=4)
+def train_tokenizer(vocab_size: int) -> str:
+    """tokenizer.json text of a byte-level BPE trained on the packaged corpus (deterministic).
+
+    The BPE may stop short of `vocab_size` when the corpus runs out of pairs to merge.
+    """
+    files = sorted(CORPUS_DIR.glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"{CORPUS_DIR}: no corpus *.txt files to train the tokenizer on")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    # Paragraphs as training sequences; \r\n normalised so a checkout's line endings do not matter.
+    texts = [p for f in files for p in f.read_text(encoding="utf-8").replace("\r\n", "\n").split("\n\n")]
+    tok.train_from_iterator(texts, trainer)
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [ENDOFTEXT, IM_START, IM_END]
+    return tok.to_str(pretty=True)
+
+
+def tokenizer_config() -> dict:
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, t in enumerate(SPECIAL_TOKENS)}
+    return {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
