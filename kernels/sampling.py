@@ -1,16 +1,13 @@
 """Sampling ops, torch reference: pure functions over float32 logits [B, V] with per-row [B] parameters.
 
-These define the semantics; a backend may slot in fused versions. `gumbel_noise` is special: its exact
-bits are part of the contract, because a seeded request must draw the same tokens wherever (batch,
-process, server) each position is sampled. A faster version must reproduce them (it is integer
-arithmetic plus two logs; a device without solid int64 can compute it on the host).
+These define the semantics; a backend may slot in fused versions. `sample_from_uniform` is part of a
+contract: a seeded request must draw the same tokens wherever (batch, process, server) each position
+is sampled, so a faster version must map (probabilities, u) to the same token: inverse CDF in vocab order.
 """
 
 from __future__ import annotations
 
 import torch
-
-_M32 = 0xFFFFFFFF
 
 
 def token_counts(ids: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -61,18 +58,21 @@ def top_k_top_p_min_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     use_k = top_k > 0
     use_p = top_p < 1.0
     if bool(use_k.any()) or bool(use_p.any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(V, device=logits.device)
-        k = torch.where(use_k, top_k.to(torch.int64), V)
+        k = torch.where(use_k, top_k.to(torch.int64), V).clamp_max(V)
+        # Only the top max(k) can survive; a partial top-k is much cheaper than a full sort.
+        sorted_logits, order = logits.topk(int(k.max()), dim=-1, sorted=True)
+        ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)
         remove = ranks[None, :] >= k[:, None]
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         remove |= use_p[:, None] & (mass_before >= top_p.to(probs.dtype)[:, None])
         remove[:, 0] = False
-        out = out.masked_fill(torch.zeros_like(remove).scatter(-1, order, remove), float("-inf"))
+        dropped = torch.ones(B, V, dtype=torch.bool, device=logits.device).scatter(-1, order, remove)
+        out = out.masked_fill(dropped, float("-inf"))
     if bool((min_p > 0).any()):
         # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); log(0) = -inf keeps everything.
-        threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_p.to(logits.dtype))[:, None]
+        log_min_p = torch.log(min_p.to(logits.dtype).clamp_max(1.0))
+        threshold = logits.max(dim=-1, keepdim=True).values + log_min_p[:, None]
         out = out.masked_fill(logits < threshold, float("-inf"))
     return out
 
@@ -87,31 +87,15 @@ def topk_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return values, ids
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """Low 32 bits of x * c for x in [0, 2^32), split so no int64 product overflows."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+def sample_from_uniform(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: for each row, the first token (in vocab order) whose cumulative probability
+    reaches u * total, with u in (0, 1) given per row [B]. Returns int64 [B].
 
-
-def hash32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (C. Wellons): a bijective, well-avalanched mix of uint32 values held in int64."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, V] float32 standard Gumbel noise, a pure function of each row's key (int64 [R, 2], two
-    uint32 words) and the token index: a counter-based RNG, so one row's draw never depends on which
-    other rows share the batch, and costs one vectorized pass instead of a generator per row.
-
-    argmax(logits + noise) samples softmax(logits) exactly (Gumbel-max, i.e. the exponential race
-    argmax(p / Exp(1))). Uniforms use 23 bits, u = (n + 0.5) / 2^23, never 0 or 1.
+    Exact for softmax(logits), and all the randomness is one scalar per row, so the caller can make
+    it a pure function of (seed, position): a seeded draw then cannot depend on batch, process or
+    device. Tokens at -inf have zero width in the CDF and are never picked.
     """
-    idx = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
-    keys = keys.to(torch.int64)
-    x = hash32(idx[None, :] ^ keys[:, 0:1])
-    x = hash32(x ^ keys[:, 1:2])
-    u = ((x >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
-    return -torch.log((-torch.log(u)).clamp_min(1e-30))
+    probs = torch.softmax(logits, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).clamp_max(logits.shape[-1] - 1)[:, 0]

@@ -20,6 +20,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help="weights and KV dtype "
                                                                                 "(default: the checkpoint's)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree: ranks (processes) sharding the model "
+                                          "(default 1)")
     p.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
     p.add_argument("--kv-memory-gb", type=float, help="memory for the KV page pool (default 1.0)")
     p.add_argument("--max-model-len", type=int, help="max context per request (default: the model's, capped "

@@ -31,6 +31,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     api_key_file: str | None = None  # e.g. $CREDENTIALS_DIRECTORY/api_key under systemd
     dtype: str | None = None
     backend: str = "cpu"
+    tp: Annotated[int, Meta(ge=1, le=64)] = 1  # tensor-parallel ranks (processes)
     page_size: PageSize = 16
     kv_memory_gb: Annotated[float, Meta(gt=0)] = 1.0
     num_pages: Positive | None = None

@@ -14,12 +14,13 @@ from trnd.cache.pages import PagePool
 from trnd.cache.radix import RadixCache, check_pool_integrity
 from trnd.engine.output import OutputStream, StepOutput
 from trnd.engine.request import Req, SamplingParams, Status
-from trnd.engine.runner import ModelRunner, kv_page_bytes
+from trnd.engine.runner import ModelRunner, kv_page_bytes, prepare
 from trnd.engine.sampler import Sampler
 from trnd.engine.scheduler import Scheduler, SchedulerConfig
+from trnd.model.config import ModelConfig
 from trnd.model.loader import load_model
 from trnd.model.tokenizer import Tokenizer
-from trnd.parallel import TP1, TPGroup
+from trnd.parallel import TPGroup
 
 
 @dataclass
@@ -37,6 +38,7 @@ class EngineConfig:
     prefix_cache: bool = True
     seed: int | None = None  # for unseeded sampling (tests)
     threads: int | None = None
+    tp: int = 1  # tensor-parallel ranks (processes) for this engine
 
 
 @dataclass
@@ -59,20 +61,33 @@ class LengthError(ValueError):
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, tp: TPGroup = TP1):
+    def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.model, self.model_config = load_model(cfg.model, cfg.dtype, tp, cfg.backend)
+        mc = ModelConfig.from_dir(cfg.model, cfg.dtype)
         self.tokenizer = Tokenizer.from_dir(cfg.model)
-        mc = self.model_config
-        page_bytes = kv_page_bytes(mc, self.model.layers[0].attn.nk, cfg.page_size)
+        tp = TPGroup(0, cfg.tp)
+        nk = tp.kv_heads(mc.num_kv_heads)
+        tp.split(mc.num_heads, "num_attention_heads")  # refuse a bad layout before starting processes
+        page_bytes = kv_page_bytes(mc, nk[1] - nk[0], cfg.page_size)
         num_pages = cfg.num_pages or max(2, int(cfg.kv_memory_gb * 2**30) // page_bytes)
+        self.workers = None
+        if cfg.tp > 1:
+            from trnd.engine.workers import WorkerGroup
+
+            self.workers = WorkerGroup(cfg.tp, cfg.model, cfg.dtype, cfg.backend, num_pages, cfg.page_size,
+                                       cfg.threads)
+            tp = self.workers.tp
+        self.model, self.model_config = load_model(cfg.model, cfg.dtype, tp, cfg.backend)
+        self.tp = tp
         self.pool = PagePool(num_pages)
         self.radix = RadixCache(self.pool, cfg.page_size, namespace=self.namespace)
         self.scheduler = Scheduler(SchedulerConfig(cfg.page_size, cfg.max_batch, cfg.token_budget, cfg.chunk_size,
                                                    cfg.prefix_cache), self.pool, self.radix)
         self.runner = ModelRunner(self.model, mc, num_pages, cfg.page_size)
+        if self.workers:
+            self.workers.ready()
         self.sampler = Sampler(self.tokenizer.eos_token_ids, seed=cfg.seed)
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size)
         self.streams: dict[str, OutputStream] = {}
@@ -126,7 +141,10 @@ class Engine:
         self.stats.preemptions += len(batch.preempted)
         if batch.empty:
             return []
-        logits, sampled = self.runner.run(batch)
+        inputs, sampled = prepare(batch, self.cfg.page_size)
+        if self.workers:
+            self.workers.step(inputs)
+        logits = self.runner.forward(inputs)
         outs = self.postprocess(batch, logits, sampled)
         self.stats.steps += 1
         self.stats.last_step_s = time.perf_counter() - t0
@@ -173,6 +191,11 @@ class Engine:
             return "length"
         return None
 
+    def close(self) -> None:
+        if self.workers:
+            self.workers.close()
+            self.workers = None
+
     # -- inspection ---------------------------------------------------------------------------------
 
     def check_integrity(self) -> dict:
@@ -210,6 +233,8 @@ class Engine:
                       "page_bytes": self.runner.page_bytes},
             "radix": self.radix.stats(),
             "stats": dataclasses.asdict(st),
+            "layout": {"tp": self.tp.size, "kv_heads_per_rank": self.runner.num_kv_heads,
+                       "ranks": self.workers.health() if self.workers else [{"rank": 0, "alive": True}]},
             "limits": {"max_model_len": self.max_model_len, "max_batch": self.cfg.max_batch,
                        "token_budget": self.cfg.token_budget, "chunk_size": self.cfg.chunk_size},
         }

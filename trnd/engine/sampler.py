@@ -1,16 +1,17 @@
 """Turns one row of logits per request into its next token (plus logprobs when asked).
 
 Pipeline per row: penalties -> min_tokens ban -> [logprobs read here] -> greedy argmax, or
-temperature -> top_k/top_p/min_p -> Gumbel-max draw.
+temperature -> top_k/top_p/min_p -> inverse-CDF draw with one uniform u per row.
 
 Logprobs are "processed" logprobs in one fixed sense: log_softmax of the logits AFTER repetition/
 frequency/presence penalties and the min_tokens ban, BEFORE temperature and top-k/top-p/min-p.
 So they do not change with temperature, and a banned token (eos under min_tokens) reads -inf.
 
-Seeded draws: the noise for output position i is a pure function of (seed, i) (see
-`kernels.sampling.gumbel_noise`), so a seeded request yields the same tokens alone or batched,
-and when consecutive positions are sampled by different processes (prefill server samples token 0,
-decode server the rest). Caveat: that holds as far as the logits themselves are reproducible.
+Seeded draws: the uniform for output position i is a pure function of (seed, i) (`seed_uniform`),
+and the token a pure function of (filtered probabilities, u) (`kernels.sampling.sample_from_uniform`).
+So a seeded request yields the same tokens alone or batched, and when consecutive positions are
+sampled by different processes (prefill server samples token 0, decode server the rest), as far as
+the logits themselves are reproducible (batch-variant matmuls can still move a near-tie).
 
 `ignore_eos` masks nothing here: the engine simply does not stop on eos. `min_tokens` does mask:
 while len(output_ids) < min_tokens, the eos ids and stop_token_ids get -inf.
@@ -48,11 +49,15 @@ def _plain_greedy(r: Req) -> bool:
     return p.greedy and p.logprobs is None and not _has_penalty(p) and not _min_tokens_active(r)
 
 
-def seed_key(seed: int, position: int) -> tuple[int, int]:
-    """Two uint32 words for (seed, output position). blake2b: stable across processes and machines
-    (unlike hash()), defined for any int seed, about a microsecond."""
+def seed_uniform(seed: int, position: int) -> float:
+    """The draw for output position `position` of a request seeded with `seed`: u in (0, 1).
+    blake2b, not hash(): stable across processes and machines, defined for any int, ~1 us."""
     v = int.from_bytes(hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest(), "little")
-    return v & 0xFFFFFFFF, v >> 32
+    return _uniform(v >> 11)
+
+
+def _uniform(bits53: int) -> float:
+    return (bits53 + 0.5) / (1 << 53)  # never 0: u = 0 would land on token 0 even when it is masked
 
 
 class Sampler:
@@ -104,10 +109,10 @@ class Sampler:
                 torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev),
                 torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
                 torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev))
-            keys = [seed_key(p.seed, len(reqs[i].output_ids)) if p.seed is not None
-                    else (self._rng.getrandbits(32), self._rng.getrandbits(32)) for i, p in zip(rnd, ps)]
-            noise = K.gumbel_noise(torch.tensor(keys, dtype=torch.int64, device=dev), V)
-            tokens = tokens.index_put((rows,), (y + noise).argmax(dim=-1))
+            u = [seed_uniform(p.seed, len(reqs[i].output_ids)) if p.seed is not None
+                 else _uniform(self._rng.getrandbits(53)) for i, p in zip(rnd, ps)]
+            drawn = K.sample_from_uniform(y, torch.tensor(u, dtype=torch.float32, device=dev))
+            tokens = tokens.index_put((rows,), drawn)
 
         outs = [SampleOut(t) for t in tokens.tolist()]
         lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]

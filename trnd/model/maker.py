@@ -80,6 +80,7 @@ def ensure_model(preset: str = "tiny", arch: str = "qwen3", seed: int = 0) -> Pa
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
             make_model(tmp, preset=preset, arch=arch, seed=seed)
+            tmp.chmod(0o755)  # mkdtemp makes it private
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -112,6 +113,8 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen3", s
     _write_json(out / "tokenizer_config.json", tokenizer_config())
     _write_json(out / "generation_config.json", {
         "bos_token_id": ENDOFTEXT, "eos_token_id": [IM_END, ENDOFTEXT], "pad_token_id": ENDOFTEXT})
+    for f in out.glob("*.safetensors"):
+        f.chmod(0o644)  # safetensors writes through a private temporary file
     return out
 
 
@@ -257,10 +260,11 @@ def train_tokenizer(vocab_size: int) -> str:
     if not files:
         raise FileNotFoundError(f"{CORPUS_DIR}: no corpus *.txt files to train the tokenizer on")
     tok = Tokenizer(models.BPE())
+    tok.add_special_tokens(SPECIAL_TOKENS)  # so the chat markup in the corpus is not learnt as merges
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
                                   special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     # Paragraphs as training sequences; \r\n normalised so a checkout's line endings do not matter.

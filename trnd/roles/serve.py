@@ -37,7 +37,7 @@ def run(cfg: ServeConfig) -> int:
                                  num_pages=cfg.num_pages, kv_memory_gb=cfg.kv_memory_gb,
                                  max_model_len=cfg.max_model_len, max_batch=cfg.max_batch,
                                  token_budget=cfg.token_budget, chunk_size=cfg.chunk_size,
-                                 prefix_cache=cfg.prefix_cache, threads=cfg.threads))
+                                 prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp))
     loop = EngineLoop(engine, cfg.max_requests).start()
     name = cfg.served_model_name or model_dir.resolve().name
     app = build_app(loop, cfg, name)
@@ -51,4 +51,5 @@ def run(cfg: ServeConfig) -> int:
         server.run()
     finally:
         loop.stop()
+        engine.close()
     return 0

@@ -1,0 +1,38 @@
+"""Helpers for tests that start real trnd processes on loopback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 120.0, path: str = "/ready") -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise RuntimeError(f"trnd exited with {proc.returncode} before it was ready:\n{out}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"trnd on port {port} not ready after {timeout} s")
+
+
+def start_serve(model_dir, *extra: str, port: int | None = None) -> tuple[subprocess.Popen, int]:
+    port = port or free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trnd", "serve", "--model", str(model_dir), "--port", str(port),
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, port

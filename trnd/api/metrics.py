@@ -1,0 +1,108 @@
+"""Prometheus metrics, named `trnd:*` after vLLM's `vllm:*` so existing dashboards port by a rename.
+
+Each app has its own CollectorRegistry (tests build several apps in one process). Latencies and
+token counters are updated from the request path, which sees every StepOutput; the gauges are read
+from the engine at scrape time, through the loop thread like every other look at engine state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from trnd.engine.loop import EngineLoop
+from trnd.engine.output import StepOutput
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        lbl = ["model_name"]
+        self.running = Gauge("trnd:num_requests_running", "Requests in the running batch.", lbl, registry=r)
+        self.waiting = Gauge("trnd:num_requests_waiting", "Requests waiting to be scheduled.", lbl, registry=r)
+        self.kv_usage = Gauge("trnd:kv_cache_usage_perc", "KV-cache usage: 1 means all pages are held by requests "
+                              "(evictable prefix-cache pages count as free).", lbl, registry=r)
+        self.cache_queries = Counter("trnd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                     lbl, registry=r)
+        self.cache_hits = Counter("trnd:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lbl,
+                                  registry=r)
+        self.prompt_tokens = Counter("trnd:prompt_tokens", "Prompt tokens of finished requests.", lbl, registry=r)
+        self.generation_tokens = Counter("trnd:generation_tokens", "Generated tokens.", lbl, registry=r)
+        self.success = Counter("trnd:request_success", "Finished requests by finish reason.",
+                               lbl + ["finished_reason"], registry=r)
+        self.ttft = Histogram("trnd:time_to_first_token_seconds", "Arrival to first token.", lbl,
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("trnd:inter_token_latency_seconds", "Time between consecutive output tokens.", lbl,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("trnd:e2e_request_latency_seconds", "Arrival to last token.", lbl,
+                             buckets=_E2E_BUCKETS, registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason)  # export zeros so rate() works from the first scrape
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    async def render(self, loop: EngineLoop, timeout: float = 2.0) -> bytes:
+        """Refresh the gauges from the engine (skipped if the loop does not answer in time) and render."""
+        def snapshot():
+            e = loop.engine
+            pool, radix = e.pool, e.radix
+            held = pool.num_pages - pool.num_free - radix.num_evictable_pages
+            return len(e.scheduler.running), len(e.scheduler.waiting), held / max(1, pool.num_pages)
+        try:
+            running, waiting, usage = await asyncio.wait_for(loop.run_on_loop(snapshot), timeout)
+        except (asyncio.TimeoutError, RuntimeError):
+            pass  # a stuck loop: /health reports it; the counters are still worth serving
+        else:
+            m = self.model_name
+            self.running.labels(m).set(running)
+            self.waiting.labels(m).set(waiting)
+            self.kv_usage.labels(m).set(usage)
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Latency bookkeeping for one engine request (one choice)."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.arrival = time.monotonic()
+        self.last: float | None = None
+        self.done = False
+
+    def observe(self, out: StepOutput) -> None:
+        now = time.monotonic()
+        m, name = self.m, self.m.model_name
+        k = len(out.token_ids)
+        if k:
+            if self.last is None:
+                m.ttft.labels(name).observe(now - self.arrival)
+            else:
+                gap = (now - self.last) / k  # one step normally yields one token per request
+                for _ in range(k):
+                    m.itl.labels(name).observe(gap)
+            self.last = now
+            m.generation_tokens.labels(name).inc(k)
+        if out.finished:
+            self.done = True
+            m.e2e.labels(name).observe(now - self.arrival)
+            m.success.labels(name, out.finish_reason or "abort").inc()
+            m.prompt_tokens.labels(name).inc(out.prompt_tokens)
+            m.cache_queries.labels(name).inc(out.prompt_tokens)
+            m.cache_hits.labels(name).inc(out.cached_tokens)
+
+    def gone(self) -> None:
+        """The client left (or the request failed) before the engine finished it."""
+        if not self.done:
+            self.done = True
+            self.m.success.labels(self.m.model_name, "abort").inc()
