@@ -11,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_api_openai import MAX_MODEL_LEN, Server
+from tests.test_api_openai import Server
 
-MAX_BODY = 65536
+MAX_MODEL_LEN = 4096  # long enough that a few requests stay in flight while the test looks
+MAX_BODY = 128 * 1024
 MAX_REQUESTS = 4
 MAX_N = 4
 
@@ -21,7 +22,8 @@ MAX_N = 4
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
     s = Server(tiny_qwen3, tmp_path_factory.mktemp("serve-err"),
-               config={"max_body_bytes": MAX_BODY, "max_requests": MAX_REQUESTS, "max_n": MAX_N})
+               config={"max_body_bytes": MAX_BODY, "max_requests": MAX_REQUESTS, "max_n": MAX_N},
+               max_model_len=MAX_MODEL_LEN)
     yield s
     s.stop()
 
@@ -144,7 +146,7 @@ def test_context_length_exceeded(server, model):
     err = assert_error(post(server, "/v1/completions", {"model": model, "prompt": [5] * (MAX_MODEL_LEN + 10)}),
                        400, param="prompt", code="context_length_exceeded")
     assert str(MAX_MODEL_LEN) in err["message"] and str(MAX_MODEL_LEN + 10) in err["message"]
-    long_chat = [{"role": "user", "content": "token " * (MAX_MODEL_LEN * 2)}]
+    long_chat = [{"role": "user", "content": "token " * (MAX_MODEL_LEN + 10)}]
     assert_error(post(server, "/v1/chat/completions", chat_body(model, messages=long_chat)), 400,
                  param="messages", code="context_length_exceeded")
     err = assert_error(post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}),
@@ -188,14 +190,15 @@ def test_wrong_method_and_path(server):
 def test_queue_full_is_503_with_retry_after(server, model):
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
-            body = chat_body(model, max_tokens=400, stream=True, ignore_eos=True)
-            streams = []
+            body = chat_body(model, max_tokens=MAX_MODEL_LEN - 100, stream=True, ignore_eos=True)
+            streams, readers = [], []  # keep the readers: a collected one closes its connection
             try:
                 for _ in range(MAX_REQUESTS):
                     cm = c.stream("POST", "/v1/chat/completions", json=body)
                     r = await cm.__aenter__()
                     streams.append(cm)
                     lines = r.aiter_lines()
+                    readers.append(lines)
                     seen = 0
                     while seen < 2:  # role chunk, then a generated token: the request is in flight
                         if (await lines.__anext__()).startswith("data: "):

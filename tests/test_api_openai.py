@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 512
@@ -28,13 +29,14 @@ def free_port() -> int:
 class Server:
     """A `trnd serve` subprocess on a free port; `url` is its root (no /v1)."""
 
-    def __init__(self, model_dir, tmp_dir: Path, *args: str, config: dict | None = None, api_key: str | None = None):
+    def __init__(self, model_dir, tmp_dir: Path, *args: str, config: dict | None = None, api_key: str | None = None,
+                 max_model_len: int = MAX_MODEL_LEN):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "trnd", "serve", "--model", str(model_dir), "--port", str(self.port),
                "--host", "127.0.0.1", "--threads", "1", "--kv-memory-gb", "0.05",
-               "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning", *args]
+               "--max-model-len", str(max_model_len), "--log-level", "warning", *args]
         if config:
             path = tmp_dir / f"serve-{self.port}.toml"
             path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items()))
@@ -400,20 +402,22 @@ def test_admin_evict_frees_cached_pages(server, client, model):
 def test_metrics(server, client, model):
     client.chat.completions.create(model=model, messages=chat("metrics"), max_tokens=4, temperature=0,
                                    extra_body={"ignore_eos": True})
-    text = httpx.get(f"{server.url}/metrics").text
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     values = {}
-    for line in text.splitlines():
-        if line.startswith("trnd:"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    lbl = f'model_name="{model}"'
-    assert values[f"trnd:generation_tokens_total{{{lbl}}}"] >= 4
-    assert values[f"trnd:prompt_tokens_total{{{lbl}}}"] > 0
-    assert values[f'trnd:request_success_total{{{lbl},finished_reason="length"}}'] >= 1
-    assert values[f"trnd:time_to_first_token_seconds_count{{{lbl}}}"] >= 1
-    assert values[f"trnd:inter_token_latency_seconds_count{{{lbl}}}"] >= 3
-    assert values[f"trnd:e2e_request_latency_seconds_count{{{lbl}}}"] >= 1
-    assert values[f"trnd:num_requests_running{{{lbl}}}"] == 0
-    assert 0 <= values[f"trnd:kv_cache_usage_perc{{{lbl}}}"] <= 1
-    assert f"trnd:prefix_cache_queries_total{{{lbl}}}" in values
-    assert f"trnd:prefix_cache_hits_total{{{lbl}}}" in values
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == model
+            values[(sample.name, *sorted(labels.values()))] = sample.value
+    assert values[("trnd:generation_tokens_total",)] >= 4
+    assert values[("trnd:prompt_tokens_total",)] > 0
+    assert values[("trnd:request_success_total", "length")] >= 1
+    assert ("trnd:request_success_total", "abort") in values
+    assert values[("trnd:time_to_first_token_seconds_count",)] >= 1
+    assert values[("trnd:inter_token_latency_seconds_count",)] >= 3
+    assert values[("trnd:e2e_request_latency_seconds_count",)] >= 1
+    assert values[("trnd:num_requests_running",)] == 0
+    assert values[("trnd:num_requests_waiting",)] == 0
+    assert 0 <= values[("trnd:kv_cache_usage_perc",)] <= 1
+    assert values[("trnd:prefix_cache_queries_total",)] >= values[("trnd:prefix_cache_hits_total",)] >= 0

@@ -35,6 +35,8 @@ def run_tp(model_dir, tp: int, prompts):
     try:
         outs = [c.token_ids for c in llm.generate(prompts, GREEDY)]
         state = llm.engine.state()["layout"]
+        # every rank wrote its KV into its own pool, which the role process can see (shared memory)
+        assert all(pool.abs().sum() > 0 for pool in llm.engine.pools)
     finally:
         llm.engine.close()
     return outs, state

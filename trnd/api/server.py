@@ -18,12 +18,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
+import jinja2
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -142,11 +143,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         if int(cl) > limit:
             raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload: nobody reads the answer, but it must not be a 500
+        raise APIError(400, "Client disconnected while sending the body") from None
     return b"".join(chunks)
 
 
@@ -176,7 +180,10 @@ async def chat_completions(request: Request) -> Response:
     req: P.ChatCompletionRequest = await _decode(request, st, P.ChatCompletionRequest)
     params, n = P.to_sampling_params(req, st.cfg.max_n)
     messages = P.chat_messages(req)
-    prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    try:
+        prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except (jinja2.TemplateError, ValueError) as e:  # e.g. "roles must alternate", or no template at all
+        raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
     # The template already wrote every special token (BOS included); encoding must not add another.
     ids = await _encode(st, prompt, add_special_tokens=False)
     job = Job(st, "chat", ids, params, n, req.session_id, bool(req.stream),

@@ -14,7 +14,7 @@ from trnd.cache.pages import PagePool
 from trnd.cache.radix import RadixCache, check_pool_integrity
 from trnd.engine.output import OutputStream, StepOutput
 from trnd.engine.request import Req, SamplingParams, Status
-from trnd.engine.runner import ModelRunner, kv_page_bytes, prepare
+from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes, prepare
 from trnd.engine.sampler import Sampler
 from trnd.engine.scheduler import Scheduler, SchedulerConfig
 from trnd.model.config import ModelConfig
@@ -72,12 +72,14 @@ class Engine:
         tp.split(mc.num_heads, "num_attention_heads")  # refuse a bad layout before starting processes
         page_bytes = kv_page_bytes(mc, nk[1] - nk[0], cfg.page_size)
         num_pages = cfg.num_pages or max(2, int(cfg.kv_memory_gb * 2**30) // page_bytes)
+        # One pool per rank; with TP they live in shared memory so this process can reach them all.
+        self.pools = [alloc_kv(mc, nk[1] - nk[0], num_pages, cfg.page_size, shared=cfg.tp > 1)
+                      for _ in range(cfg.tp)]
         self.workers = None
         if cfg.tp > 1:
             from trnd.engine.workers import WorkerGroup
 
-            self.workers = WorkerGroup(cfg.tp, cfg.model, cfg.dtype, cfg.backend, num_pages, cfg.page_size,
-                                       cfg.threads)
+            self.workers = WorkerGroup(cfg.tp, cfg.model, cfg.dtype, cfg.backend, self.pools, cfg.threads)
             tp = self.workers.tp
         self.model, self.model_config = load_model(cfg.model, cfg.dtype, tp, cfg.backend)
         self.tp = tp
@@ -85,7 +87,7 @@ class Engine:
         self.radix = RadixCache(self.pool, cfg.page_size, namespace=self.namespace)
         self.scheduler = Scheduler(SchedulerConfig(cfg.page_size, cfg.max_batch, cfg.token_budget, cfg.chunk_size,
                                                    cfg.prefix_cache), self.pool, self.radix)
-        self.runner = ModelRunner(self.model, mc, num_pages, cfg.page_size)
+        self.runner = ModelRunner(self.model, mc, self.pools[0])
         if self.workers:
             self.workers.ready()
         self.sampler = Sampler(self.tokenizer.eos_token_ids, seed=cfg.seed)

@@ -64,13 +64,21 @@ def prepare(batch: Batch, page_size: int) -> tuple[StepInputs, list[Req]]:
     return StepInputs(ids, pos, page_ids, offsets, decode_pages, decode_ctx, prefill, rows), sampled
 
 
+def alloc_kv(cfg: ModelConfig, num_kv_heads_local: int, num_pages: int, page_size: int,
+             shared: bool = False) -> torch.Tensor:
+    """kv[page, layer, k|v, kv_head, slot, head_dim]: see kernels/attention.py for why page-major.
+    shared: in shared memory, so the role process can map every rank's pool (one NIXL agent per role
+    registers them all, and the host tier copies pages out of any rank)."""
+    kv = torch.zeros(num_pages, cfg.num_layers, 2, num_kv_heads_local, page_size, cfg.head_dim, dtype=cfg.dtype)
+    return kv.share_memory_() if shared else kv
+
+
 class ModelRunner:
-    def __init__(self, model, cfg: ModelConfig, num_pages: int, page_size: int):
-        self.model, self.cfg, self.page_size = model, cfg, page_size
+    def __init__(self, model, cfg: ModelConfig, kv: torch.Tensor):
+        self.model, self.cfg, self.kv = model, cfg, kv
+        self.page_size = kv.shape[4]
         self.num_kv_heads = model.layers[0].attn.nk  # this rank's
-        # kv[page, layer, k|v, kv_head, slot, head_dim]: see kernels/attention.py for why page-major.
-        self.kv = torch.zeros(num_pages, cfg.num_layers, 2, self.num_kv_heads, page_size, cfg.head_dim,
-                              dtype=cfg.dtype)
+        assert kv.shape[3] == self.num_kv_heads, (kv.shape, self.num_kv_heads)
 
     @property
     def page_bytes(self) -> int:

@@ -64,7 +64,7 @@ def _die_with_parent() -> None:
 
 
 def worker_main(rank: int, size: int, port: int, model_dir: str, dtype: str | None, backend: str,
-                num_pages: int, page_size: int, threads: int | None) -> None:
+                kv: torch.Tensor, threads: int | None) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the role process decides when ranks stop
     from trnd.model.loader import load_model
@@ -73,7 +73,7 @@ def worker_main(rank: int, size: int, port: int, model_dir: str, dtype: str | No
         torch.set_num_threads(threads)
     tp = init_group(rank, size, port)
     model, cfg = load_model(model_dir, dtype, tp, backend)
-    runner = ModelRunner(model, cfg, num_pages, page_size)
+    runner = ModelRunner(model, cfg, kv)
     dist.barrier()
     while True:
         msg = broadcast_bytes(None)
@@ -86,13 +86,14 @@ def worker_main(rank: int, size: int, port: int, model_dir: str, dtype: str | No
 class WorkerGroup:
     """Ranks 1..N-1 of one role, started before rank 0 loads its own shard."""
 
-    def __init__(self, size: int, model_dir: str, dtype: str | None, backend: str, num_pages: int, page_size: int,
+    def __init__(self, size: int, model_dir: str, dtype: str | None, backend: str, pools: list[torch.Tensor],
                  threads: int | None = None):
+        """pools[r]: rank r's KV pool, in shared memory (made by the role process, mapped by the rank)."""
         self.size = size
         self.port = free_port()
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, name=f"trnd-rank{r}", daemon=True,
-                                  args=(r, size, self.port, model_dir, dtype, backend, num_pages, page_size, threads))
+                                  args=(r, size, self.port, model_dir, dtype, backend, pools[r], threads))
                       for r in range(1, size)]
         for p in self.procs:
             p.start()

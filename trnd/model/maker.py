@@ -107,6 +107,8 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen3", s
         shards = 2 if preset == "small" else 1
 
     tensors = random_weights(config, seed, DTYPES[dtype])
+    for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # weights of an earlier make here with other shards would be loaded too
     write_safetensors(out, tensors, shards)
     (out / "tokenizer.json").write_text(tok_json, encoding="utf-8")
     _write_json(out / "config.json", config)

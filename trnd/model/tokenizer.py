@@ -43,6 +43,9 @@ def _as_list(value) -> list:
 
 
 class Tokenizer:
+    """tokenizer.json plus the special-token facts spread over tokenizer_config.json, generation_config.json
+    and config.json, resolved once at load."""
+
     def __init__(self, tok: _HFTokenizer, tokenizer_config: dict, generation_config: dict,
                  model_config: dict, path: Path):
         self._tok = tok
@@ -55,7 +58,6 @@ class Tokenizer:
         self.bos_token_id = self._id(self.bos_token)
         self.add_bos = bool(tokenizer_config.get("add_bos_token", False)) and self.bos_token_id is not None
         eos_id = self._id(self.eos_token)
-        self.add_eos = bool(tokenizer_config.get("add_eos_token", False)) and eos_id is not None
         # generation_config.json is what HF generate() stops on; config.json stands in when it is absent.
         gen_eos = generation_config.get("eos_token_id", model_config.get("eos_token_id"))
         ids = [i for i in _as_list(gen_eos) if isinstance(i, int)] + ([eos_id] if eos_id is not None else [])
@@ -64,6 +66,8 @@ class Tokenizer:
         special |= {i for i in (self.bos_token_id, eos_id, self._id(self.pad_token), self._id(self.unk_token))
                     if i is not None}
         self.all_special_ids: list[int] = sorted(special)
+        # Tokens the tokenizer knows, added tokens included (the model's embedding may have more rows).
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
 
     @classmethod
@@ -82,19 +86,11 @@ class Tokenizer:
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
-    @property
-    def vocab_size(self) -> int:
-        """Tokens the tokenizer knows, added tokens included (the model's embedding may have more rows)."""
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens:
-            # Some tokenizer.json post-processors add BOS themselves (Llama 3); never add it twice.
-            if self.add_bos and (not ids or ids[0] != self.bos_token_id):
-                ids.insert(0, self.bos_token_id)
-            if self.add_eos and (not ids or ids[-1] != self.eos_token_ids[-1]):
-                ids.append(self._id(self.eos_token))
+        # Some tokenizer.json post-processors add BOS themselves (Llama 3); never add it twice.
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -156,6 +152,8 @@ class IncrementalDetokenizer:
     token completes it. `flush()` at the end releases a tail that never completed (invalid bytes).
 
     For a prompt that ends on a character boundary: "".join(pushes) + flush() == decode(output ids).
+    A prompt ending inside a character (only possible when the client sends token ids) has that character
+    completed by the first output bytes; the completed character counts as prompt text and is not emitted.
     """
 
     CONTEXT = 5  # prompt tokens decoded as context, as in vLLM
