@@ -289,7 +289,8 @@ def test_api_key_required_on_v1_and_admin(auth_server):
     url = auth_server.url
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
                          ("GET", "/admin/state"), ("POST", "/admin/drain"), ("POST", "/admin/evict"),
-                         ("POST", "/admin/abort/x"), ("GET", "/nope"), ("GET", "/health/"), ("GET", "/v1/../admin/state")]:
+                         ("POST", "/admin/abort/x"), ("GET", "/nope"), ("GET", "/health/"),
+                         ("GET", "/metrics/x"), ("GET", "/v1/../admin/state")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                         {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"bearer  {KEY}"}):
             r = httpx.request(method, f"{url}{path}", headers=headers, json={})

@@ -126,3 +126,69 @@ def test_64_concurrent_streams(server, model):
     assert_no_leak(server)
     assert success_total(server) == before + 64
     assert elapsed < 60
+
+
+# -- in process: a client that leaves during a (deliberately slow) prefill ---------------------------
+
+@pytest.fixture(scope="module")
+def slow_prefill_url(tiny_qwen3):
+    """build_app under uvicorn on a thread, over an engine whose prefill takes many slowed steps."""
+    import threading
+
+    import uvicorn
+
+    from tests.test_api_openai import free_port
+    from trnd.api.server import build_app
+    from trnd.config import ServeConfig
+    from trnd.engine.engine import Engine, EngineConfig
+    from trnd.engine.loop import EngineLoop
+
+    engine = Engine(EngineConfig(model=str(tiny_qwen3), num_pages=128, max_model_len=1024, chunk_size=16,
+                                 token_budget=16))
+    loop = EngineLoop(engine).start()
+    loop.stall_s = 0.02  # each step: so a 480-token prompt prefills in 30 steps, >= 0.6 s
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(loop, ServeConfig(), "tiny"), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+    loop.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_during_prefill_aborts(slow_prefill_url, stream):
+    url = slow_prefill_url
+
+    def state():
+        return httpx.get(f"{url}/admin/state").json()
+
+    body = {"model": "tiny", "prompt": list(range(5, 485)), "max_tokens": 4, "stream": stream}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            task = asyncio.create_task(c.post("/v1/completions", json=body))
+            deadline = time.monotonic() + 10
+            while True:  # wait until the engine is part-way through the prompt
+                running = (await asyncio.to_thread(state))["running"]
+                if running and running[0]["computed_tokens"] >= 32:
+                    break
+                assert time.monotonic() < deadline, "the request never started prefilling"
+                await asyncio.sleep(0.01)
+            assert running[0]["state"] == "prefilling" and running[0]["computed_tokens"] < 480
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 0.5
+    while (s := state())["running"] or s["waiting"]:
+        assert time.monotonic() < deadline, s["running"]
+        time.sleep(0.02)
+    assert s["stats"]["aborted"] >= 1 and s["pages"]["in_use"] == 0

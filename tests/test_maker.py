@@ -186,6 +186,14 @@ def test_overrides_and_gqa1_preset(tmp_path):
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[5, 6, 7]])).logits).all()
 
+    # Embedding rows past the tokenizer's vocabulary are zero, so greedy decoding never lands on them.
+    d = make_model(tmp_path / "padded", "tiny", "qwen3", overrides={"vocab_size": 1024 + 128})
+    emb = _read_weights(d)["model.embed_tokens.weight"]
+    assert emb.shape[0] == 1152 and not emb[1024:].any() and emb[:1024].abs().min(1).values.gt(0).all()
+    model, tok, _ = _hf(d)
+    with torch.no_grad():
+        assert model(tok(TEXTS[0], return_tensors="pt").input_ids).logits.argmax(-1).max() < 1024
+
     with pytest.raises(ValueError, match="num_kv_heads"):
         make_model(tmp_path / "bad", "tiny", overrides={"num_kv_heads": 1})
     with pytest.raises(ValueError, match="vocab_size"):
@@ -213,9 +221,12 @@ def test_small_model_is_written_in_two_shards(tmp_path):
                                                          "model-00002-of-00002.safetensors"]
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["vocab_size"] == 32000 and index["metadata"]["total_size"] == 2 * param_count(cfg)
+    tok_size = len(json.loads((d / "tokenizer.json").read_text())["model"]["vocab"])
+    assert 10000 < tok_size <= 32000  # BPE stops where the corpus runs out of pairs
     model, _, info = _hf(d)
     assert not info["missing_keys"]
     assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
+    assert not model.model.embed_tokens.weight[tok_size:].any()
 
 
 def test_ensure_model_builds_once_atomically(tmp_path, monkeypatch):

@@ -79,3 +79,45 @@ def load_config(cls: type[msgspec.Struct], path: str | Path | None, overrides: d
     except msgspec.ValidationError as e:
         where = f"{path}: " if path else ""
         raise ConfigError(f"{where}{e}".replace("\n", " ")) from None
+
+
+class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields every disaggregated role has. The decode point fixes page size, max context, max batch
+    and prefill chunk: both roles must name the same one."""
+    model: str | None = None
+    point: str = "8k"
+    dtype: str | None = None
+    backend: str = "cpu"
+    tp: Annotated[int, Meta(ge=1, le=64)] = 1
+    kv_memory_gb: Annotated[float, Meta(gt=0)] = 1.0
+    prefix_cache: bool = True
+    threads: Positive | None = None
+    secret: str | None = None  # control-plane shared secret (prefer secret_file)
+    secret_file: str | None = None  # e.g. ${CREDENTIALS_DIRECTORY}/control_secret under systemd
+    log_level: str = "info"
+
+    def resolved_secret(self) -> bytes:
+        if self.secret_file:
+            return Path(os.path.expandvars(self.secret_file)).read_bytes().strip()
+        if self.secret:
+            return self.secret.encode()
+        raise msgspec.ValidationError("no control-plane secret: set secret_file (or secret) - at `$.secret_file`")
+
+
+class PrefillConfig(RoleConfig, kw_only=True):
+    host: str = "127.0.0.1"
+    control_port: Port = 8100  # decode servers connect here (msgspec + HMAC frames)
+    admin_port: Port = 8101  # /health, /ready, /metrics, /admin/state
+
+
+class DecodeConfig(ServeConfig, kw_only=True):
+    point: str = "8k"
+    prefill: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8100"])  # host:port of prefill peers
+    secret: str | None = None
+    secret_file: str | None = None
+    heartbeat_s: Annotated[float, Meta(gt=0)] = 1.0
+    peer_timeout_s: Annotated[float, Meta(gt=0)] = 3.0  # no frame for this long: the peer is dead
+    fence_s: Annotated[float, Meta(ge=0)] = 2.0  # after losing a peer, its target pages rest this long
+    prefill_retries: Annotated[int, Meta(ge=0)] = 1
+
+    resolved_secret = RoleConfig.resolved_secret

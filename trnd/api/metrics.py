@@ -49,8 +49,8 @@ class Metrics:
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)  # export zeros so rate() works from the first scrape
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, arrival: float) -> RequestTracker:
+        return RequestTracker(self, arrival)
 
     async def render(self, loop: EngineLoop, timeout: float = 2.0) -> bytes:
         """Refresh the gauges from the engine (skipped if the loop does not answer in time) and render."""
@@ -74,9 +74,9 @@ class Metrics:
 class RequestTracker:
     """Latency bookkeeping for one engine request (one choice)."""
 
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, arrival: float):
         self.m = metrics
-        self.arrival = time.monotonic()
+        self.arrival = arrival  # time.monotonic() when the HTTP request came in
         self.last: float | None = None
         self.done = False
 

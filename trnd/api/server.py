@@ -33,7 +33,7 @@ from trnd.api import protocol as P
 from trnd.api.auth import APIKeyMiddleware
 from trnd.api.errors import (APIError, api_error_handler, error_bytes, from_decode_error, http_error_handler,
                              internal_error_handler)
-from trnd.api.metrics import Metrics, RequestTracker
+from trnd.api.metrics import Metrics
 from trnd.config import ServeConfig
 from trnd.engine.engine import LengthError
 from trnd.engine.loop import EngineLoop, QueueFull
@@ -176,7 +176,7 @@ async def _encode(st: AppState, text: str, add_special_tokens: bool) -> list[int
 
 
 async def chat_completions(request: Request) -> Response:
-    st = _state(request)
+    arrival, st = time.monotonic(), _state(request)
     req: P.ChatCompletionRequest = await _decode(request, st, P.ChatCompletionRequest)
     params, n = P.to_sampling_params(req, st.cfg.max_n)
     messages = P.chat_messages(req)
@@ -187,18 +187,18 @@ async def chat_completions(request: Request) -> Response:
     # The template already wrote every special token (BOS included); encoding must not add another.
     ids = await _encode(st, prompt, add_special_tokens=False)
     job = Job(st, "chat", ids, params, n, req.session_id, bool(req.stream),
-              bool(req.stream_options and req.stream_options.include_usage), "messages")
+              bool(req.stream_options and req.stream_options.include_usage), "messages", arrival)
     return await job.respond(request)
 
 
 async def completions(request: Request) -> Response:
-    st = _state(request)
+    arrival, st = time.monotonic(), _state(request)
     req: P.CompletionRequest = await _decode(request, st, P.CompletionRequest)
     params, n = P.to_sampling_params(req, st.cfg.max_n)
     prompt = P.check_completion_prompt(req.prompt)
     ids = await _encode(st, prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
     job = Job(st, "completion", ids, params, n, req.session_id, bool(req.stream),
-              bool(req.stream_options and req.stream_options.include_usage), "prompt")
+              bool(req.stream_options and req.stream_options.include_usage), "prompt", arrival)
     return await job.respond(request)
 
 
@@ -218,7 +218,7 @@ def _translate(e: BaseException, prompt_param: str, num_prompt: int, max_model_l
 
 class Job:
     def __init__(self, st: AppState, kind: str, ids: list[int], params: SamplingParams, n: int,
-                 session_id: str | None, stream: bool, include_usage: bool, prompt_param: str):
+                 session_id: str | None, stream: bool, include_usage: bool, prompt_param: str, arrival: float):
         self.st, self.kind, self.ids, self.n = st, kind, ids, n
         self.session_id, self.stream, self.include_usage = session_id, stream, include_usage
         self.prompt_param = prompt_param
@@ -245,7 +245,7 @@ class Job:
         self.params = [params if n == 1 or params.seed is None
                        else msgspec.structs.replace(params, seed=params.seed + i) for i in range(n)]
         self.want_logprobs = params.logprobs is not None
-        self.trackers = [st.metrics.tracker() for _ in range(n)]
+        self.trackers = [st.metrics.tracker(arrival) for _ in range(n)]
 
     def translate(self, e: BaseException) -> APIError | None:
         return _translate(e, self.prompt_param, len(self.ids), self.max_model_len)
@@ -424,8 +424,7 @@ async def merge(gens: list[AsyncIterator[StepOutput]]) -> AsyncIterator[tuple[in
 
 
 async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    await asyncio.Event().wait()
 
 
 async def until_disconnect(receive: Receive, coro: Coroutine):
@@ -532,8 +531,11 @@ async def admin_abort(request: Request) -> Response:
     st = _state(request)
     rid = request.path_params["rid"]
     rids = list(st.active.get(rid, [rid]))
-    results = await asyncio.gather(*(asyncio.wait_for(asyncio.wrap_future(st.loop.abort(r)), LOOP_TIMEOUT_S)
-                                     for r in rids))
+    futures = [asyncio.wrap_future(st.loop.abort(r)) for r in rids]
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*futures), LOOP_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(503, f"The engine loop did not answer within {LOOP_TIMEOUT_S} s", code="engine_busy") from None
     aborted = [r for r, ok in zip(rids, results) if ok]
     if not aborted:
         raise APIError(404, f"No running request with id {rid!r}", param="rid", code="request_not_found")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +16,8 @@ from trnd.cache.radix import RadixCache, check_pool_integrity
 from trnd.engine.output import OutputStream, StepOutput
 from trnd.engine.request import Req, SamplingParams, Status
 from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes, prepare
-from trnd.engine.sampler import Sampler
-from trnd.engine.scheduler import Scheduler, SchedulerConfig
+from trnd.engine.sampler import SampleOut, Sampler
+from trnd.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from trnd.model.config import ModelConfig
 from trnd.model.loader import load_model
 from trnd.model.tokenizer import Tokenizer
@@ -39,6 +40,7 @@ class EngineConfig:
     seed: int | None = None  # for unseeded sampling (tests)
     threads: int | None = None
     tp: int = 1  # tensor-parallel ranks (processes) for this engine
+    remote_prefill: bool = False  # decode role: new prompts' KV comes from a prefill server
 
 
 @dataclass
@@ -86,7 +88,15 @@ class Engine:
         self.pool = PagePool(num_pages)
         self.radix = RadixCache(self.pool, cfg.page_size, namespace=self.namespace)
         self.scheduler = Scheduler(SchedulerConfig(cfg.page_size, cfg.max_batch, cfg.token_budget, cfg.chunk_size,
-                                                   cfg.prefix_cache), self.pool, self.radix)
+                                                   cfg.prefix_cache), self.pool, self.radix, cfg.remote_prefill)
+        # Roles hook in here: called after each forward, before sampling and finishing (prefill ships
+        # the pages a chunk completed while the next chunk computes: roles/prefill.py).
+        self.on_forward: Callable[[Batch], None] | None = None
+        # Called with each step's batch after scheduling (decode sends newly admitted requests to prefill).
+        self.on_schedule: Callable[[Batch], None] | None = None
+        self.on_abort_transferring: Callable[[Req], None] | None = None
+        # Extra page owners for integrity checks (pages fenced or in flight, held by a role).
+        self.extra_owners: Callable[[], list[list[int]]] = lambda: []
         self.runner = ModelRunner(self.model, mc, self.pools[0])
         if self.workers:
             self.workers.ready()
@@ -127,7 +137,14 @@ class Engine:
         req = self.scheduler.find(rid)
         if req is None:
             return None
-        self.scheduler.finish(req, "abort")
+        if rid in self.scheduler.transferring and self.on_abort_transferring:
+            # A prefill server may still write into its pages: the role fences them until it knows no
+            # write can land, then calls release_fenced().
+            del self.scheduler.transferring[rid]
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+            self.on_abort_transferring(req)
+        else:
+            self.scheduler.finish(req, "abort")
         self.stats.aborted += 1
         return self.streams.pop(rid).finish(req)
 
@@ -141,12 +158,16 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
+        if self.on_schedule and batch.remote:
+            self.on_schedule(batch)
         if batch.empty:
             return []
         inputs, sampled = prepare(batch, self.cfg.page_size)
         if self.workers:
             self.workers.step(inputs)
         logits = self.runner.forward(inputs)
+        if self.on_forward:
+            self.on_forward(batch)
         outs = self.postprocess(batch, logits, sampled)
         self.stats.steps += 1
         self.stats.last_step_s = time.perf_counter() - t0
@@ -161,27 +182,27 @@ class Engine:
                 self.stats.cached_tokens += req.num_cached
             req.num_computed += n
             self.stats.prefill_tokens += n
-        outs = []
         samples = self.sampler.sample(logits, sampled) if sampled else []
+        return [self.deliver(req, s) for req, s in zip(sampled, samples)]
+
+    def deliver(self, req: Req, s: SampleOut) -> StepOutput:
+        """Append one sampled token (here, or on a prefill server) and finish the request if it is done."""
         now = time.monotonic()
-        for req, s in zip(sampled, samples):
-            req.output_ids.append(s.token)
-            if s.logprob is not None:
-                req.output_logprobs.append((s.logprob, s.top_logprobs or []))
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            self.stats.generation_tokens += 1
-            stream = self.streams[req.rid]
-            reason = self._finish_reason(req, stream.push(s))
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                self.stats.finished += 1
-                self.streams.pop(req.rid)
-                outs.append(stream.finish(req))
-            else:
-                outs.append(stream.take(req))
-        return outs
+        req.output_ids.append(s.token)
+        if s.logprob is not None:
+            req.output_logprobs.append((s.logprob, s.top_logprobs or []))
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        self.stats.generation_tokens += 1
+        stream = self.streams[req.rid]
+        reason = self._finish_reason(req, stream.push(s))
+        if reason is None:
+            return stream.take(req)
+        self.scheduler.finish(req, reason)
+        self.stats.finished += 1
+        self.streams.pop(req.rid)
+        return stream.finish(req)
 
     def _finish_reason(self, req: Req, stopped_by_string: bool) -> str | None:
         p, tok = req.params, req.output_ids[-1]
@@ -193,6 +214,9 @@ class Engine:
             return "length"
         return None
 
+    def release_fenced(self, req: Req) -> None:
+        self.scheduler._release(req)
+
     def close(self) -> None:
         if self.workers:
             self.workers.close()
@@ -202,7 +226,11 @@ class Engine:
 
     def check_integrity(self) -> dict:
         self.radix.check_integrity()
-        return check_pool_integrity(self.pool, self.radix, [r.pages for r in self.scheduler.running])
+        return check_pool_integrity(self.pool, self.radix, self._owner_lists())
+
+    def _owner_lists(self) -> list[list[int]]:
+        sched = self.scheduler
+        return [r.pages for r in (*sched.running, *sched.transferring.values())] + self.extra_owners()
 
     def state(self) -> dict:
         """The /admin/state engine snapshot (schema in docs/API.md)."""
@@ -212,6 +240,8 @@ class Engine:
         def req_state(r: Req) -> dict:
             if r.status is Status.WAITING:
                 phase = "waiting"
+            elif r.rid in sched.transferring:
+                phase = "waiting_for_kv"
             elif r.is_prefilling:
                 phase = "prefilling"
             else:
@@ -223,12 +253,12 @@ class Engine:
                     "tokens_per_s": round((r.num_output - 1) / dt, 2) if dt > 0 and r.num_output > 1 else None,
                     "age_s": round(now - r.arrival, 3), "preemptions": r.num_preemptions}
 
-        in_use = len({p for r in sched.running for p in r.pages})
-        cached_only = self.radix.num_cached_pages - len(
-            {p for r in sched.running for p in r.pages} & set(self.radix.all_pages()))
+        held = {p for pages in self._owner_lists() for p in pages}
+        in_use = len(held)
+        cached_only = self.radix.num_cached_pages - len(held & set(self.radix.all_pages()))
         st = self.stats
         return {
-            "running": [req_state(r) for r in sched.running],
+            "running": [req_state(r) for r in (*sched.running, *sched.transferring.values())],
             "waiting": [req_state(r) for r in sched.waiting],
             "pages": {"total": self.pool.num_pages, "free": self.pool.num_free, "in_use": in_use,
                       "cached": cached_only, "page_size": self.cfg.page_size,

@@ -22,13 +22,24 @@ from trnd.engine.request import SamplingParams
 log = logging.getLogger("trnd.engine")
 
 
-class QueueFull(RuntimeError):
+class Unavailable(RuntimeError):
+    """The server cannot take this request now (503 with Retry-After): overloaded, draining, or no
+    prefill peer reachable. The message says which."""
+
+
+class QueueFull(Unavailable):
     """More requests in flight than the configured limit: the client should retry later."""
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, max_requests: int = 1024):
+    def __init__(self, engine: Engine, max_requests: int = 1024, poll: Callable[[], bool] | None = None,
+                 on_output: Callable[[StepOutput], None] | None = None):
+        """poll: called every iteration on the loop thread (a role's transfer progress); returns True
+        while something is in flight, so the loop keeps spinning briefly instead of sleeping.
+        on_output: takes every StepOutput instead of the per-request queues (the prefill role)."""
         self.engine = engine
+        self.poll = poll
+        self.on_output = on_output
         self.max_requests = max_requests
         self.last_progress = time.monotonic()
         self.error: BaseException | None = None
@@ -104,7 +115,17 @@ class EngineLoop:
             self._deliver(out)
         return out is not None
 
+    def fail(self, rid: str, error: BaseException) -> None:
+        """End a request's stream with an error (loop thread); the request is already out of the engine."""
+        entry = self._queues.get(rid)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, error)
+
     def _deliver(self, out: StepOutput) -> None:
+        if self.on_output is not None:
+            self.on_output(out)
+            return
         entry = self._queues.get(out.rid)
         if entry is not None:
             loop, q = entry
@@ -119,8 +140,9 @@ class EngineLoop:
                         self._inbox.get_nowait()()
                     except queue.Empty:
                         break
+                busy = self.poll() if self.poll else False
                 if not self.engine.has_work:
-                    self._wake.wait(0.25)
+                    self._wake.wait(0.0005 if busy else 0.25)
                     self._wake.clear()
                     continue
                 if self.stall_s:

@@ -56,6 +56,9 @@ class OutputStream:
         return out
 
     def finish(self, req: Req) -> StepOutput:
-        if not self.stops.stopped:
-            self._text.append(self.stops.flush())
+        if not self.stops.stopped:  # release what the detokenizer and the stop checker held back
+            tail, stopped = self.stops.push(self.detok.flush())
+            self._text.append(tail)
+            if not stopped:
+                self._text.append(self.stops.flush())
         return self.take(req, finished=True)

@@ -31,6 +31,7 @@ class Batch:
     decode: list[Req] = field(default_factory=list)  # one token each
     prefill: list[tuple[Req, int]] = field(default_factory=list)  # (request, tokens this step)
     preempted: list[Req] = field(default_factory=list)
+    remote: list[Req] = field(default_factory=list)  # admitted with pages reserved; KV comes from a prefill peer
 
     @property
     def empty(self) -> bool:
@@ -42,10 +43,15 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: PagePool, radix: RadixCache):
+    def __init__(self, cfg: SchedulerConfig, pool: PagePool, radix: RadixCache, remote_prefill: bool = False):
         self.cfg, self.pool, self.radix = cfg, pool, radix
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        # Disaggregated decode: a new request's prompt KV is written into pages reserved here by a
+        # prefill server; it waits in `transferring` until that KV has landed (see roles/decode.py).
+        # Preempted requests (which already have output) are recomputed locally as usual.
+        self.remote_prefill = remote_prefill
+        self.transferring: dict[str, Req] = {}
         self._locks: dict[str, object] = {}  # rid -> radix node locked for its borrowed prefix
 
     # -- queue operations ---------------------------------------------------------------------------
@@ -55,21 +61,37 @@ class Scheduler:
         self.waiting.append(req)
 
     def finish(self, req: Req, reason: str) -> None:
-        """Done (eos/length/stop/abort): its full pages go to the prefix cache, the rest are freed."""
+        """Done (eos/length/stop/abort): its full pages go to the prefix cache, the rest are freed.
+        A request still `transferring` must be fenced by the caller first (remote writes may land)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.transferring.pop(req.rid, None)
         self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
     def find(self, rid: str) -> Req | None:
+        if rid in self.transferring:
+            return self.transferring[rid]
         return next((r for r in (*self.running, *self.waiting) if r.rid == rid), None)
+
+    def kv_arrived(self, req: Req) -> None:
+        """The prompt's KV is in req.pages: it joins the running batch as a decode."""
+        del self.transferring[req.rid]
+        req.num_computed = req.num_prompt
+        req.status = Status.RUNNING
+        self.running.append(req)
 
     @property
     def has_work(self) -> bool:
+        """Anything to compute (transferring requests wait on the network, not on the model)."""
         return bool(self.waiting or self.running)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running) + len(self.transferring)
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -89,8 +111,16 @@ class Scheduler:
                 batch.prefill.append((req, n))
             else:
                 batch.decode.append(req)
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch:
+        while self.waiting and budget > 0 and self.num_active < self.cfg.max_batch:
             req = self.waiting[0]
+            if self.remote_prefill and req.num_output == 0:
+                if not self._admit(req, req.num_prompt, whole=True):  # all prompt pages, reserved up front
+                    break
+                self.waiting.popleft()
+                req.status = Status.RUNNING
+                self.transferring[req.rid] = req
+                batch.remote.append(req)
+                continue
             if not self._admit(req, budget):
                 break
             self.waiting.popleft()
@@ -125,7 +155,7 @@ class Scheduler:
         req.pages += self.pool.alloc(need)
         return True
 
-    def _admit(self, req: Req, budget: int) -> bool:
+    def _admit(self, req: Req, budget: int, whole: bool = False) -> bool:
         if req.num_computed == 0 and self.cfg.prefix_cache:
             # Match on all but the last token: at least one token must run to produce logits.
             m = self.radix.match(req.all_ids[:-1])
@@ -136,7 +166,7 @@ class Scheduler:
                 req.pages = list(m.pages)
                 req.num_locked_pages = len(m.pages)
             req.num_cached = req.num_computed = m.num_tokens
-        need = self._pages_needed(req, self._chunk(req, budget))
+        need = self._pages_needed(req, req.num_uncomputed if whole else self._chunk(req, budget))
         if self._reserve(need):
             req.pages += self.pool.alloc(need)
             return True

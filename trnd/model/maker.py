@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: the trainer adds them first
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: added before training
 ENDOFTEXT, IM_START, IM_END = 0, 1, 2
 
 # Shapes per preset. `tokenizer_vocab` is the BPE training target; `vocab_size` None means "the trained
@@ -106,7 +106,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen3", s
     if shards is None:
         shards = 2 if preset == "small" else 1
 
-    tensors = random_weights(config, seed, DTYPES[dtype])
+    tensors = random_weights(config, seed, DTYPES[dtype], live_vocab=tok_size)
     for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)  # weights of an earlier make here with other shards would be loaded too
     write_safetensors(out, tensors, shards)
@@ -194,7 +194,8 @@ def param_count(cfg: dict) -> int:
     return sum(torch.Size(s).numel() for s in param_shapes(cfg).values())
 
 
-def random_weights(cfg: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_weights(cfg: dict, seed: int, dtype: torch.dtype,
+                   live_vocab: int | None = None) -> dict[str, torch.Tensor]:
     """Embeddings (and an untied head) ~ N(0, initializer_range); block matrices ~ N(0, 1/fan_in);
     RMSNorm weights ~ 1 + N(0, 0.05), times LOGIT_STD / (sqrt(hidden) * initializer_range) for the final norm.
 
@@ -202,10 +203,13 @@ def random_weights(cfg: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.
     stream, a tied model would just copy its input token, and the logits (std ~0.16) would be flat.
     Scale-preserving blocks make the output depend on the context, and the final-norm gain gives logits
     with std ~LOGIT_STD whatever the width, so sampling parameters have something to act on.
+    Embedding/head rows from `live_vocab` on (ids the tokenizer lacks) are zero: their logit is always 0,
+    so greedy decoding never picks them and sampling rarely does (random rows would win half the time).
     One generator drawn in checkpoint order makes the bytes depend only on the seed.
     """
     gen = torch.Generator().manual_seed(seed)
     std = cfg["initializer_range"]
+    live_vocab = cfg["vocab_size"] if live_vocab is None else live_vocab
     logit_gain = LOGIT_STD / (cfg["hidden_size"] ** 0.5 * std)
     out = {}
     for name, shape in param_shapes(cfg).items():
@@ -216,6 +220,7 @@ def random_weights(cfg: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.
                 w.mul_(logit_gain)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             w.mul_(std)
+            w[live_vocab:] = 0.0
         else:
             w.mul_(shape[1] ** -0.5)
         out[name] = w.to(dtype).contiguous()
@@ -269,8 +274,8 @@ def train_tokenizer(vocab_size: int) -> str:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
                                   special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    # Paragraphs as training sequences; \r\n normalised so a checkout's line endings do not matter.
-    texts = [p for f in files for p in f.read_text(encoding="utf-8").replace("\r\n", "\n").split("\n\n")]
+    # \r\n normalised so a checkout's line endings do not matter.
+    texts = [f.read_text(encoding="utf-8").replace("\r\n", "\n") for f in files]
     tok.train_from_iterator(texts, trainer)
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [ENDOFTEXT, IM_START, IM_END]
     return tok.to_str(pretty=True)

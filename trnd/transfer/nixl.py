@@ -1,0 +1,84 @@
+"""KVAgent: one NIXL agent per role process (UCX backend), with every rank's KV pool registered.
+
+Moves page bytes by address and knows no pool semantics. On this CPU build NIXL moves DRAM to DRAM
+between processes (and across hosts over UCX/TCP); on Trainium the same calls move device memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+log = logging.getLogger("trnd.nixl")
+
+
+class KVAgent:
+    def __init__(self, name: str, pools: list[torch.Tensor]):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        logging.getLogger("NIXL").setLevel(logging.WARNING)
+        self.name = name
+        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self.pools = pools
+        self._reg = [self.agent.register_memory(p) for p in pools]
+        self.peers: set[str] = set()
+
+    @property
+    def bases(self) -> list[int]:
+        return [p.data_ptr() for p in self.pools]
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, meta: bytes) -> str:
+        name = self.agent.add_remote_agent(meta)
+        name = name.decode() if isinstance(name, bytes) else name
+        self.peers.add(name)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        if name in self.peers:
+            self.peers.discard(name)
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception as e:  # already gone
+                log.debug("remove_remote_agent(%s): %s", name, e)
+
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes):
+        """Start one batched WRITE (all descriptors of a chunk); returns the handle to poll."""
+        local = self.agent.get_xfer_descs(src, "DRAM")
+        remote = self.agent.get_xfer_descs(dst, "DRAM")
+        handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notif)
+        state = self.agent.transfer(handle)
+        if state == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise ConnectionError(f"NIXL WRITE to {peer} failed to start")
+        return handle
+
+    def state(self, handle) -> str:
+        """'DONE', 'PROC' or 'ERR'."""
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception as e:  # the peer went away mid-transfer
+            log.warning("NIXL transfer failed: %s", e)
+            return "ERR"
+
+    def release(self, handle) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as e:
+            log.debug("release_xfer_handle: %s", e)
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        return self.agent.get_new_notifs()
+
+    def close(self) -> None:
+        for name in list(self.peers):
+            self.remove_peer(name)
+        for reg in self._reg:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as e:
+                log.debug("deregister_memory: %s", e)

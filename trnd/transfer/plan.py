@@ -1,0 +1,97 @@
+"""Which bytes of which source rank's page go to which destination rank's page.
+
+Within a page on one rank the layout is [layer, k|v, kv_head, slot, head_dim] (kernels/attention.py),
+so for every (layer, k|v) block one rank's heads are contiguous. A plan is made once per (source
+layout, destination layout) pair: for each destination rank and each of its heads, the first source
+rank that holds that head; runs of heads become one segment per (layer, k|v) block, and segments
+that are contiguous on both sides merge (equal layouts give one segment per page and rank pair).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Layout:
+    num_layers: int
+    page_size: int
+    head_dim: int
+    itemsize: int
+    rank_heads: tuple[tuple[int, int], ...]  # [start, end) KV heads of each rank
+
+    @property
+    def head_bytes(self) -> int:  # one head's slots in one (layer, k|v) block
+        return self.page_size * self.head_dim * self.itemsize
+
+    def page_bytes(self, rank: int) -> int:
+        h0, h1 = self.rank_heads[rank]
+        return self.num_layers * 2 * (h1 - h0) * self.head_bytes
+
+
+@dataclass(frozen=True)
+class Segment:
+    src_rank: int
+    dst_rank: int
+    src_off: int  # bytes from the start of the page on the source rank
+    dst_off: int
+    length: int
+
+
+def make_plan(src: Layout, dst: Layout) -> list[Segment]:
+    if (src.num_layers, src.page_size, src.head_dim, src.itemsize) != (dst.num_layers, dst.page_size, dst.head_dim,
+                                                                        dst.itemsize):
+        raise ValueError("layouts differ in page shape: no byte-for-byte handoff is possible")
+    src_heads = {h for h0, h1 in src.rank_heads for h in range(h0, h1)}
+    dst_heads = {h for h0, h1 in dst.rank_heads for h in range(h0, h1)}
+    if src_heads != dst_heads:
+        raise ValueError(f"source holds KV heads {sorted(src_heads)}, destination needs {sorted(dst_heads)}")
+    owner = {}
+    for r, (h0, h1) in enumerate(src.rank_heads):
+        for h in range(h0, h1):
+            owner.setdefault(h, r)
+    hb = src.head_bytes
+    segs: list[Segment] = []
+    for s, (d0, d1) in enumerate(dst.rank_heads):
+        for layer in range(src.num_layers):
+            for kv in range(2):
+                for h in range(d0, d1):
+                    r = owner[h]
+                    s0 = src.rank_heads[r][0]
+                    src_block = (layer * 2 + kv) * (src.rank_heads[r][1] - s0) * hb
+                    dst_block = (layer * 2 + kv) * (d1 - d0) * hb
+                    segs.append(Segment(r, s, src_block + (h - s0) * hb, dst_block + (h - d0) * hb, hb))
+    return _merge(segs)
+
+
+def _merge(segs: list[Segment]) -> list[Segment]:
+    out: list[Segment] = []
+    for g in sorted(segs, key=lambda g: (g.src_rank, g.dst_rank, g.src_off)):
+        last = out[-1] if out else None
+        if (last and last.src_rank == g.src_rank and last.dst_rank == g.dst_rank
+                and last.src_off + last.length == g.src_off and last.dst_off + last.length == g.dst_off):
+            out[-1] = Segment(last.src_rank, last.dst_rank, last.src_off, last.dst_off, last.length + g.length)
+        else:
+            out.append(g)
+    return out
+
+
+def descriptors(plan: list[Segment], src: Layout, dst: Layout, src_base: list[int], dst_base: list[int],
+                src_pages: list[int], dst_pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(addr, len, dev) rows for both sides of one batched transfer: every page, every segment."""
+    sp = np.asarray(src_pages, dtype=np.uint64)
+    dp = np.asarray(dst_pages, dtype=np.uint64)
+    srcs, dsts = [], []
+    for g in plan:
+        n = len(sp)
+        s = np.empty((n, 3), dtype=np.uint64)
+        d = np.empty((n, 3), dtype=np.uint64)
+        s[:, 0] = np.uint64(src_base[g.src_rank] + g.src_off) + sp * np.uint64(src.page_bytes(g.src_rank))
+        d[:, 0] = np.uint64(dst_base[g.dst_rank] + g.dst_off) + dp * np.uint64(dst.page_bytes(g.dst_rank))
+        s[:, 1] = d[:, 1] = g.length
+        s[:, 2] = d[:, 2] = 0
+        srcs.append(s)
+        dsts.append(d)
+    return np.concatenate(srcs), np.concatenate(dsts)

@@ -1,0 +1,210 @@
+"""Control-plane messages between roles: msgspec Structs in one tagged union per channel, sent as
+length-prefixed msgpack frames, each authenticated with HMAC-SHA256 and a per-connection sequence.
+
+Never pickle: a frame decodes only into the types below. The handshake's two nonces derive the session
+key, so a frame recorded on one connection is useless on another, and the sequence number (which must
+grow by exactly one) rejects duplicates and replays within a connection. A forged, duplicate or
+malformed frame is logged and dropped; the connection and the loop go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+
+import msgspec
+
+from trnd.engine.request import SamplingParams
+
+log = logging.getLogger("trnd.control")
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 64 * 2**20
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """What a role is: the handshake compares every field that must agree between prefill and decode."""
+    protocol_version: int = PROTOCOL_VERSION
+    role: str
+    model_name: str
+    model_fingerprint: str  # sha256 of config.json + tokenizer.json: same weights layout, same token ids
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    point: str
+    max_context: int
+    max_batch: int
+    tp: int
+    rank_heads: list[tuple[int, int]]  # [start, end) KV heads held by each rank
+    page_bytes: int  # one page on one rank
+
+
+# Fields that must be equal on both sides, in the order they are reported.
+MUST_MATCH = ("protocol_version", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim",
+              "page_size", "point", "max_context", "max_batch")
+
+
+def mismatch(a: Manifest, b: Manifest) -> str | None:
+    for f in MUST_MATCH:
+        if getattr(a, f) != getattr(b, f):
+            return f"{f}: {a.role} has {getattr(a, f)!r}, {b.role} has {getattr(b, f)!r}"
+    return None
+
+
+class PoolRegion(msgspec.Struct, array_like=True):
+    addr: int
+    num_pages: int
+
+
+class Hello(msgspec.Struct, tag=True):
+    """decode -> prefill, first frame, MACed with the shared secret itself."""
+    manifest: Manifest
+    agent_name: str
+    agent_meta: bytes  # NIXL agent metadata (NIXL's own serialization, parsed by NIXL, not Python)
+    regions: list[PoolRegion]  # decode's KV pool per rank: where prefill writes
+    nonce: bytes
+
+
+class Welcome(msgspec.Struct, tag=True):
+    manifest: Manifest
+    agent_name: str
+    agent_meta: bytes
+    nonce: bytes
+
+
+class Refused(msgspec.Struct, tag=True):
+    reason: str
+
+
+class PrefillReq(msgspec.Struct, tag=True):
+    """Compute the KV of prompt_ids, write pages [skip_pages, ...) to dst_pages, sample the first token."""
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    skip_pages: int  # leading pages decode already holds (its prefix cache): not sent
+    dst_pages: list[int]  # decode page ids for page indices skip_pages.. ceil(len(prompt)/page_size)-1
+
+
+class Abort(msgspec.Struct, tag=True):
+    rid: str
+
+
+class Aborted(msgspec.Struct, tag=True):
+    """No write for rid is in flight or will be issued: decode may reuse its pages."""
+    rid: str
+
+
+class KVDone(msgspec.Struct, tag=True):
+    rid: str
+    token: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    num_xfers: int  # NIXL transfers (one per chunk) whose notifications decode must have seen
+    computed_tokens: int  # prompt tokens prefill computed (the rest came from its prefix cache)
+
+
+class PrefillFailed(msgspec.Struct, tag=True):
+    rid: str
+    reason: str
+
+
+class Ping(msgspec.Struct, tag=True):
+    t: float
+
+
+class Pong(msgspec.Struct, tag=True):
+    t: float
+    load: int  # requests queued or running on the prefill server
+
+
+Message = Hello | Welcome | Refused | PrefillReq | Abort | Aborted | KVDone | PrefillFailed | Ping | Pong
+
+
+class Frame(msgspec.Struct, array_like=True):
+    seq: int
+    mac: bytes
+    body: bytes
+
+
+_frame_enc = msgspec.msgpack.Encoder()
+_frame_dec = msgspec.msgpack.Decoder(Frame)
+_msg_dec = msgspec.msgpack.Decoder(Message)
+
+
+def session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(secret, b"trnd-session" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(16)
+
+
+class ChannelClosed(ConnectionError):
+    pass
+
+
+class Channel:
+    """One authenticated, ordered message stream over a TCP connection."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, name: str = "peer"):
+        self.reader, self.writer, self.key, self.name = reader, writer, key, name
+        self.send_seq = 0
+        self.recv_seq = 0
+        self.rejected = 0
+        self._lock = asyncio.Lock()
+
+    def rekey(self, key: bytes) -> None:
+        self.key = key
+
+    def _mac(self, seq: int, body: bytes) -> bytes:
+        return hmac.new(self.key, seq.to_bytes(8, "big") + body, hashlib.sha256).digest()
+
+    async def send(self, msg: Message) -> None:
+        body = _frame_enc.encode(msg)
+        async with self._lock:
+            self.send_seq += 1
+            data = _frame_enc.encode(Frame(self.send_seq, self._mac(self.send_seq, body), body))
+            self.writer.write(len(data).to_bytes(4, "big") + data)
+            await self.writer.drain()
+
+    async def recv(self) -> Message:
+        """The next valid message; invalid frames are logged, counted and skipped."""
+        while True:
+            try:
+                n = int.from_bytes(await self.reader.readexactly(4), "big")
+                if n > MAX_FRAME:
+                    raise ChannelClosed(f"{self.name}: frame of {n} bytes exceeds {MAX_FRAME}")
+                data = await self.reader.readexactly(n)
+            except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+                raise ChannelClosed(f"{self.name}: connection lost ({e.__class__.__name__})") from None
+            try:
+                frame = _frame_dec.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._reject(f"malformed frame ({e})")
+                continue
+            if not hmac.compare_digest(frame.mac, self._mac(frame.seq, frame.body)):
+                self._reject(f"bad MAC on frame seq {frame.seq} (forged, or a different secret)")
+                continue
+            if frame.seq != self.recv_seq + 1:
+                self._reject(f"frame seq {frame.seq}, expected {self.recv_seq + 1} (duplicate or replay)")
+                continue
+            try:
+                msg = _msg_dec.decode(frame.body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.recv_seq = frame.seq
+                self._reject(f"malformed message ({e})")
+                continue
+            self.recv_seq = frame.seq
+            return msg
+
+    def _reject(self, why: str) -> None:
+        self.rejected += 1
+        log.warning("control message from %s rejected: %s", self.name, why)
+
+    def close(self) -> None:
+        self.writer.close()
