@@ -36,7 +36,7 @@ from trnd.api.errors import (APIError, api_error_handler, error_bytes, from_deco
 from trnd.api.metrics import Metrics
 from trnd.config import ServeConfig
 from trnd.engine.engine import LengthError
-from trnd.engine.loop import EngineLoop, QueueFull
+from trnd.engine.loop import EngineLoop, QueueFull, Unavailable
 from trnd.engine.output import StepOutput, TokenLogprob
 from trnd.engine.request import SamplingParams
 
@@ -211,6 +211,9 @@ def _translate(e: BaseException, prompt_param: str, num_prompt: int, max_model_l
     if isinstance(e, QueueFull):
         return APIError(503, f"The server is overloaded ({e}); retry later", code="overloaded",
                         headers={"Retry-After": "1"})
+    if isinstance(e, Unavailable):
+        return APIError(503, f"The server cannot serve this request now: {e}", code="unavailable",
+                        headers={"Retry-After": "2"})
     return None
 
 
@@ -424,7 +427,8 @@ async def merge(gens: list[AsyncIterator[StepOutput]]) -> AsyncIterator[tuple[in
 
 
 async def _wait_disconnect(receive: Receive) -> None:
-    await asyncio.Event().wait()
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def until_disconnect(receive: Receive, coro: Coroutine):

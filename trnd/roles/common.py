@@ -1,0 +1,80 @@
+"""What the disaggregated roles share: the engine built from a decode point, the manifest, the layout."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from trnd.engine.engine import Engine, EngineConfig
+from trnd.model.config import ModelConfig
+from trnd.points import DecodePoint, get_point
+from trnd.transfer.plan import Layout
+from trnd.transfer.protocol import Manifest
+
+log = logging.getLogger("trnd.role")
+
+
+class StartupError(RuntimeError):
+    """A role that must not start (pool too small for the point, bad layout): one line, exit EX_CONFIG."""
+
+
+def fingerprint(model_dir: Path) -> str:
+    """Same config and same tokenizer: the KV one role computes means the same thing to the other."""
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json"):
+        f = model_dir / name
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    return h.hexdigest()[:16]
+
+
+def build_engine(model_dir: Path, point_name: str, *, dtype, backend, tp, kv_memory_gb, prefix_cache, threads,
+                 remote_prefill: bool = False, max_model_len: int | None = None) -> tuple[Engine, DecodePoint]:
+    point = get_point(point_name)
+    mc = ModelConfig.from_dir(model_dir, dtype)
+    from trnd.engine.runner import kv_page_bytes
+    from trnd.parallel import TPGroup
+
+    h0, h1 = TPGroup(0, tp).kv_heads(mc.num_kv_heads)
+    page_bytes = kv_page_bytes(mc, h1 - h0, point.page_size)
+    num_pages = int(kv_memory_gb * 2**30) // page_bytes
+    need = point.pool_pages_needed()
+    if num_pages < need:
+        raise StartupError(
+            f"point {point.name!r} needs {need} pages of {point.page_size} tokens for one {point.max_context}-token "
+            f"sequence ({need * page_bytes / 2**30:.2f} GiB per rank), but kv_memory_gb = {kv_memory_gb} holds "
+            f"only {num_pages}: raise kv_memory_gb or pick a smaller point")
+    engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, backend=backend, page_size=point.page_size,
+                                 num_pages=num_pages, max_model_len=max_model_len or point.max_context,
+                                 max_batch=point.max_batch, token_budget=point.prefill_chunk,
+                                 chunk_size=point.prefill_chunk, prefix_cache=prefix_cache, threads=threads, tp=tp,
+                                 remote_prefill=remote_prefill))
+    return engine, point
+
+
+def layout_of(engine: Engine) -> Layout:
+    mc = engine.model_config
+    return Layout(mc.num_layers, engine.cfg.page_size, mc.head_dim, engine.pools[0].element_size(),
+                  tuple(rank_heads(engine)))
+
+
+def rank_heads(engine: Engine) -> list[tuple[int, int]]:
+    from trnd.parallel import TPGroup
+
+    n = engine.model_config.num_kv_heads
+    return [TPGroup(r, engine.tp.size).kv_heads(n) for r in range(engine.tp.size)]
+
+
+def manifest(engine: Engine, point: DecodePoint, role: str, model_name: str) -> Manifest:
+    mc = engine.model_config
+    return Manifest(role=role, model_name=model_name, model_fingerprint=fingerprint(Path(engine.cfg.model)),
+                    dtype=str(mc.dtype).removeprefix("torch."), num_layers=mc.num_layers,
+                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=point.page_size,
+                    point=point.name, max_context=point.max_context, max_batch=point.max_batch, tp=engine.tp.size,
+                    rank_heads=rank_heads(engine), page_bytes=engine.runner.page_bytes)
+
+
+def layout_from(m: Manifest) -> Layout:
+    itemsize = m.page_bytes // (m.num_layers * 2 * (m.rank_heads[0][1] - m.rank_heads[0][0]) * m.page_size
+                                * m.head_dim)
+    return Layout(m.num_layers, m.page_size, m.head_dim, itemsize, tuple(tuple(h) for h in m.rank_heads))

@@ -1,0 +1,295 @@
+"""`trnd prefill`: a KV factory. Decode servers connect over the control plane, send prompts, and get
+the prompt's KV written straight into their page pools over NIXL, chunk by chunk, while the next
+chunk computes; the last message carries the first token.
+
+Threads: the asyncio loop owns the control-plane connections; the engine thread (EngineLoop) owns
+the engine and the NIXL transfers. They talk through `loop.call` one way and
+`run_coroutine_threadsafe` the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+
+from trnd.config import PrefillConfig
+from trnd.engine.engine import LengthError
+from trnd.engine.loop import EngineLoop
+from trnd.engine.output import StepOutput
+from trnd.engine.scheduler import Batch
+from trnd.roles.common import build_engine, layout_from, layout_of, manifest
+from trnd.transfer import protocol as P
+from trnd.transfer.nixl import KVAgent
+from trnd.transfer.plan import descriptors, make_plan
+
+log = logging.getLogger("trnd.prefill")
+
+
+@dataclass
+class Peer:
+    """One connected decode server."""
+    id: int
+    chan: P.Channel
+    agent_name: str
+    manifest: P.Manifest
+    regions: list[P.PoolRegion]
+    plan: list
+    layout: object
+    connected_at: float = field(default_factory=time.time)
+    requests: int = 0
+    bytes_sent: int = 0
+    alive: bool = True
+
+
+@dataclass
+class Handoff:
+    """One request's KV on its way to a decode server."""
+    peer: Peer
+    rid: str  # decode's request id
+    skip_pages: int
+    dst_pages: list[int]
+    sent_pages: int  # page index up to which transfers were issued
+    xfers: list = field(default_factory=list)  # [(handle, src pages held, bytes, started)]
+    num_xfers: int = 0
+    done: bool = False  # first token sampled and KVDone sent
+    aborted: bool = False
+
+
+class PrefillServer:
+    def __init__(self, cfg: PrefillConfig, model_dir, model_name: str):
+        self.cfg = cfg
+        self.secret = cfg.resolved_secret()
+        self.engine, self.point = build_engine(model_dir, cfg.point, dtype=cfg.dtype, backend=cfg.backend, tp=cfg.tp,
+                                               kv_memory_gb=cfg.kv_memory_gb, prefix_cache=cfg.prefix_cache,
+                                               threads=cfg.threads)
+        self.model_name = model_name
+        self.manifest = manifest(self.engine, self.point, "prefill", model_name)
+        self.layout = layout_of(self.engine)
+        self.agent = KVAgent(f"prefill-{uuid.uuid4().hex[:8]}", self.engine.pools)
+        self.engine.on_forward = self._ship
+        self.engine.extra_owners = self._held_pages
+        self.loop = EngineLoop(self.engine, poll=self._poll, on_output=self._on_output)
+        self.handoffs: dict[str, Handoff] = {}  # local rid -> handoff
+        self.peers: dict[int, Peer] = {}
+        self._ids = itertools.count(1)
+        self.aio: asyncio.AbstractEventLoop | None = None
+        self.stats = {"requests": 0, "xfers": 0, "bytes": 0, "failed": 0, "aborted": 0, "refused": 0}
+
+    # -- control plane (asyncio) --------------------------------------------------------------------
+
+    async def serve(self) -> asyncio.base_events.Server:
+        self.aio = asyncio.get_running_loop()
+        self.loop.start()
+        return await asyncio.start_server(self._on_conn, self.cfg.host, self.cfg.control_port)
+
+    async def _on_conn(self, reader, writer) -> None:
+        addr = writer.get_extra_info("peername")
+        chan = P.Channel(reader, writer, self.secret, name=f"decode@{addr}")
+        try:
+            hello = await asyncio.wait_for(chan.recv(), 10)
+        except (P.ChannelClosed, asyncio.TimeoutError):
+            chan.close()
+            return
+        if not isinstance(hello, P.Hello):
+            log.warning("%s: first message was %s, not Hello; closing", chan.name, type(hello).__name__)
+            chan.close()
+            return
+        why = P.mismatch(self.manifest, hello.manifest)
+        if why is None:
+            try:
+                plan = make_plan(self.layout, layout_from(hello.manifest))
+            except ValueError as e:
+                why = f"layout: prefill tp={self.manifest.tp}, decode tp={hello.manifest.tp}: {e}"
+        if why is not None:
+            self.stats["refused"] += 1
+            log.error("refused decode server %s: %s", addr, why)
+            await chan.send(P.Refused(why))
+            chan.close()
+            return
+        agent_name = self.agent.add_peer(hello.agent_meta)
+        nonce = P.new_nonce()
+        await chan.send(P.Welcome(self.manifest, self.agent.name, self.agent.metadata(), nonce))
+        chan.rekey(P.session_key(self.secret, hello.nonce, nonce))
+        peer = Peer(next(self._ids), chan, agent_name, hello.manifest, hello.regions, plan, layout_from(hello.manifest))
+        self.peers[peer.id] = peer
+        log.info("decode server %s connected (agent %s, tp=%d)", addr, agent_name, hello.manifest.tp)
+        try:
+            while True:
+                msg = await chan.recv()
+                if isinstance(msg, P.PrefillReq):
+                    self.loop.call(lambda m=msg: self._submit(peer, m))
+                elif isinstance(msg, P.Abort):
+                    self.loop.call(lambda m=msg: self._abort(peer, m.rid))
+                elif isinstance(msg, P.Ping):
+                    await chan.send(P.Pong(msg.t, self.engine.scheduler.num_active + len(self.engine.scheduler.waiting)))
+                else:
+                    chan._reject(f"unexpected {type(msg).__name__}")
+        except P.ChannelClosed as e:
+            log.warning("decode server %s gone: %s; aborting its requests", addr, e)
+        finally:
+            peer.alive = False
+            chan.close()
+            self.loop.call(lambda: self._peer_lost(peer))
+
+    def _send(self, peer: Peer, msg) -> None:
+        """From the engine thread: queue a control message on the asyncio loop."""
+        if peer.alive and self.aio is not None:
+            asyncio.run_coroutine_threadsafe(self._send_safe(peer, msg), self.aio)
+
+    async def _send_safe(self, peer: Peer, msg) -> None:
+        try:
+            await peer.chan.send(msg)
+        except (ConnectionError, OSError) as e:
+            log.warning("send to decode peer %d failed: %s", peer.id, e)
+
+    # -- engine thread ------------------------------------------------------------------------------
+
+    def _local(self, peer: Peer, rid: str) -> str:
+        return f"p{peer.id}/{rid}"
+
+    def _submit(self, peer: Peer, m: P.PrefillReq) -> None:
+        local = self._local(peer, m.rid)
+        if local in self.handoffs:
+            log.warning("duplicate PrefillReq for %s from peer %d rejected", m.rid, peer.id)
+            return
+        n_pages = -(-len(m.prompt_ids) // self.point.page_size)
+        if len(m.dst_pages) != n_pages - m.skip_pages or m.skip_pages < 0:
+            self._send(peer, P.PrefillFailed(m.rid, f"dst_pages has {len(m.dst_pages)} pages for {n_pages} prompt "
+                                                    f"pages with skip_pages = {m.skip_pages}"))
+            return
+        params = msgspec.structs.replace(m.params, max_tokens=1, stop=[])
+        try:
+            self.engine.add(m.prompt_ids, params, rid=local)
+        except (LengthError, ValueError) as e:
+            self._send(peer, P.PrefillFailed(m.rid, str(e)))
+            return
+        self.handoffs[local] = Handoff(peer, m.rid, m.skip_pages, m.dst_pages, m.skip_pages)
+        peer.requests += 1
+        self.stats["requests"] += 1
+
+    def _ship(self, batch: Batch) -> None:
+        """After a forward: write the pages this chunk completed (one NIXL transfer per request chunk).
+        The transfer runs on NIXL's progress thread while the engine computes the next chunk."""
+        ps = self.point.page_size
+        for req, n in batch.prefill:
+            h = self.handoffs.get(req.rid)
+            if h is None or h.aborted:
+                continue
+            end = req.num_computed + n
+            upto = -(-end // ps) if end >= req.num_prompt else end // ps
+            if upto <= h.sent_pages:
+                continue
+            idx = range(h.sent_pages, upto)
+            src = [req.pages[i] for i in idx]
+            dst = [h.dst_pages[i - h.skip_pages] for i in idx]
+            sd, dd = descriptors(h.peer.plan, self.layout, h.peer.layout, self.agent.bases,
+                                 [r.addr for r in h.peer.regions], src, dst)
+            h.num_xfers += 1
+            try:
+                handle = self.agent.write(h.peer.agent_name, sd, dd, f"{h.rid}|{h.num_xfers}".encode())
+            except ConnectionError as e:
+                self._fail(req.rid, h, str(e))
+                continue
+            self.engine.pool.ref(src)  # held until the transfer is done, whatever happens to the request
+            nbytes = int(dd[:, 1].sum())
+            h.xfers.append((handle, src, nbytes, time.monotonic()))
+            h.sent_pages = upto
+
+    def _on_output(self, out: StepOutput) -> None:
+        h = self.handoffs.get(out.rid)
+        if h is None or not out.finished or h.aborted:
+            return
+        if out.finish_reason == "abort":
+            return
+        lp = out.logprobs[0] if out.logprobs else None
+        self._send(h.peer, P.KVDone(h.rid, out.token_ids[0], lp.logprob if lp else None,
+                                    [tuple(t) for t in lp.top] if lp else None, h.num_xfers,
+                                    out.prompt_tokens - out.cached_tokens))
+        h.done = True
+        self._maybe_forget(out.rid, h)
+
+    def _poll(self) -> bool:
+        """Reap finished transfers (engine thread, every loop iteration)."""
+        for local, h in list(self.handoffs.items()):
+            still = []
+            for handle, src, nbytes, t0 in h.xfers:
+                state = self.agent.state(handle)
+                if state == "PROC":
+                    still.append((handle, src, nbytes, t0))
+                    continue
+                self.agent.release(handle)
+                self.engine.pool.unref(src)
+                if state == "DONE":
+                    self.stats["xfers"] += 1
+                    self.stats["bytes"] += nbytes
+                    h.peer.bytes_sent += nbytes
+                else:
+                    self._fail(local, h, "NIXL transfer failed")
+            h.xfers = still
+            self._maybe_forget(local, h)
+        return any(h.xfers for h in self.handoffs.values())
+
+    def _maybe_forget(self, local: str, h: Handoff) -> None:
+        if h.xfers or local not in self.handoffs:
+            return
+        if h.aborted:
+            del self.handoffs[local]
+            self._send(h.peer, P.Aborted(h.rid))
+        elif h.done:
+            del self.handoffs[local]
+
+    def _fail(self, local: str, h: Handoff, why: str) -> None:
+        if h.aborted:
+            return
+        self.stats["failed"] += 1
+        log.warning("prefill of %s for decode peer %d failed: %s", h.rid, h.peer.id, why)
+        self.engine.abort(local)
+        h.aborted = True
+        self._send(h.peer, P.PrefillFailed(h.rid, why))
+
+    def _abort(self, peer: Peer, rid: str) -> None:
+        local = self._local(peer, rid)
+        h = self.handoffs.get(local)
+        if h is None:  # finished (or never seen): nothing is in flight for it
+            self._send(peer, P.Aborted(rid))
+            return
+        self.stats["aborted"] += 1
+        self.engine.abort(local)
+        h.aborted = True
+        self._maybe_forget(local, h)
+
+    def _peer_lost(self, peer: Peer) -> None:
+        for local, h in list(self.handoffs.items()):
+            if h.peer is peer:
+                self.engine.abort(local)
+                h.aborted = True
+                self._maybe_forget(local, h)
+        self.peers.pop(peer.id, None)
+        self.agent.remove_peer(peer.agent_name)
+
+    def _held_pages(self) -> list[list[int]]:
+        return [src for h in self.handoffs.values() for _, src, _, _ in h.xfers]
+
+    # -- inspection ---------------------------------------------------------------------------------
+
+    def state_extra(self) -> dict:
+        now = time.monotonic()
+        return {
+            "role": "prefill",
+            "point": self.point.name,
+            "transfers": {
+                "in_flight": [{"rid": h.rid, "peer": h.peer.id, "xfers": len(h.xfers), "sent_pages": h.sent_pages,
+                               "age_s": round(now - min(x[3] for x in h.xfers), 3)}
+                              for h in self.handoffs.values() if h.xfers],
+                **self.stats,
+            },
+            "peers": [{"id": p.id, "kind": "decode", "agent": p.agent_name, "tp": p.manifest.tp,
+                       "requests": p.requests, "bytes_sent": p.bytes_sent, "healthy": p.alive,
+                       "connected_s": round(time.time() - p.connected_at, 1)} for p in self.peers.values()],
+        }
