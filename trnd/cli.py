@@ -36,6 +36,36 @@ def _serve_parser(sub) -> None:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
+def _role_flags(p) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML role config (see configs/)")
+    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory or preset name (tiny, small)")
+    p.add_argument("--point", help="named decode point (configs/points.toml): both roles must use the same one")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree of this role")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--kv-memory-gb", type=float, help="memory for this role's KV page pool (per rank)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads per rank")
+    p.add_argument("--secret-file", help="file holding the control-plane shared secret")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False)
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def _disagg_parsers(sub) -> None:
+    p = sub.add_parser("prefill", help="run a prefill server (KV factory for decode servers)",
+                       description="Run a prefill server: decode servers connect to --control-port and get prompt "
+                                   "KV written into their page pools over NIXL.")
+    _role_flags(p)
+    p.add_argument("--control-port", type=int, help="control-plane TCP port (default 8100)")
+    p.add_argument("--admin-port", type=int, help="HTTP port for /health, /ready, /metrics, /admin (default 8101)")
+    d = sub.add_parser("decode", help="run a decode server (OpenAI API; prompts prefilled remotely)",
+                       description="Run a decode server: the OpenAI API front that owns each request, with prompt KV "
+                                   "computed by prefill servers (--prefill host:port, repeatable).")
+    _role_flags(d)
+    d.add_argument("--port", type=int, help="OpenAI API port (default 8000)")
+    d.add_argument("--prefill", action="append", metavar="HOST:PORT", help="a prefill server's control port")
+    d.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+
+
 def _model_parser(sub) -> None:
     p = sub.add_parser("model", help="make or inspect models")
     msub = p.add_subparsers(dest="model_cmd", required=True)
@@ -64,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "disaggregated prefill/decode)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _serve_parser(sub)
+    _disagg_parsers(sub)
     _model_parser(sub)
     _bench_parser(sub)
     return parser
@@ -72,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from trnd.config import ConfigError
+    from trnd.roles.common import StartupError
 
     try:
         if args.cmd == "serve":
@@ -83,6 +115,19 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(ServeConfig, args.config, flags)
             setup_logging(cfg.log_level)
             return serve.run(cfg)
+        if args.cmd in ("prefill", "decode"):
+            from trnd.config import DecodeConfig, PrefillConfig, load_config
+            from trnd.log import setup_logging
+            from trnd.roles import decode, prefill
+
+            flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
+            cfg = load_config(PrefillConfig if args.cmd == "prefill" else DecodeConfig, args.config, flags)
+            try:
+                cfg.resolved_secret()
+            except (OSError, ValueError) as e:
+                raise ConfigError(str(e).replace("\n", " ")) from None
+            setup_logging(cfg.log_level)
+            return (prefill if args.cmd == "prefill" else decode).run(cfg)
         if args.cmd == "model":
             from trnd.model.maker import make_model
 
@@ -95,5 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_engine.main(args)
     except ConfigError as e:
         print(f"trnd: config error: {e}", file=sys.stderr)
+        return EX_CONFIG
+    except StartupError as e:
+        print(f"trnd: cannot start: {e}", file=sys.stderr)
         return EX_CONFIG
     return 2

@@ -106,6 +106,8 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class PrefillConfig(RoleConfig, kw_only=True):
     host: str = "127.0.0.1"
+    api_key: str | None = None  # for /admin/* on the admin port
+    api_key_file: str | None = None
     control_port: Port = 8100  # decode servers connect here (msgspec + HMAC frames)
     admin_port: Port = 8101  # /health, /ready, /metrics, /admin/state
 

@@ -59,6 +59,7 @@ class AppState:
     state_extra: Callable[[], dict] | None = None
     draining: bool = False
     ready: bool = True
+    ready_fn: Callable[[], bool] | None = None  # a role's own readiness (decode: a prefill peer handshaked)
     health_stall_s: float = HEALTH_STALL_S
     started: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)
@@ -115,6 +116,23 @@ def build_app(loop: EngineLoop, cfg: ServeConfig, model_name: str,
         Route("/admin/drain", admin_drain, methods=["POST"]),
         Route("/admin/evict", admin_evict, methods=["POST"]),
     ]
+    return _app(routes, loop, cfg, model_name, state_extra)
+
+
+def build_admin_app(loop: EngineLoop, cfg: ServeConfig, model_name: str,
+                    state_extra: Callable[[], dict] | None = None) -> Starlette:
+    """Probes, metrics and admin only: for roles with no OpenAI front (prefill)."""
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/admin/state", admin_state, methods=["GET"]),
+        Route("/admin/evict", admin_evict, methods=["POST"]),
+    ]
+    return _app(routes, loop, cfg, model_name, state_extra)
+
+
+def _app(routes, loop, cfg, model_name, state_extra) -> Starlette:
     app = Starlette(routes=routes,
                     middleware=[Middleware(APIKeyMiddleware, api_key=cfg.resolved_api_key())],
                     exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
@@ -499,7 +517,7 @@ async def ready(request: Request) -> Response:
         return _json({"status": "error"}, 503)
     if st.draining:
         return _json({"status": "draining"}, 503)
-    if not st.ready:
+    if not st.ready or (st.ready_fn is not None and not st.ready_fn()):
         return _json({"status": "loading"}, 503)
     return _json({"status": "ready"})
 

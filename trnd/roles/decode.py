@@ -329,3 +329,28 @@ class DecodeServer:
                        "connects": p.connects,
                        "last_seen_s": round(now - p.last_seen, 2) if p.last_seen else None} for p in self.peers],
         }
+
+
+def run(cfg: DecodeConfig) -> int:
+    from trnd.api.server import build_app
+    from trnd.roles.runtime import http_server, run_async, serve_until_stopped
+    from trnd.roles.serve import resolve_model
+
+    model_dir = resolve_model(cfg.model)
+    name = cfg.served_model_name or model_dir.resolve().name
+
+    async def main() -> int:
+        server = DecodeServer(cfg, model_dir, name)
+        await server.start()
+        app = build_app(server.loop, cfg, name, server.state_extra)
+        app.state.trnd.ready_fn = lambda: server.ready
+        http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s)
+        try:
+            await serve_until_stopped(http, f"trnd: decode for {name} (point {cfg.point}, tp={cfg.tp}) on "
+                                            f"http://{cfg.host}:{cfg.port}/v1, prefill peers {', '.join(cfg.prefill)}")
+        finally:
+            server.loop.stop()
+            server.engine.close()
+        return 0
+
+    return run_async(main)

@@ -293,3 +293,30 @@ class PrefillServer:
                        "requests": p.requests, "bytes_sent": p.bytes_sent, "healthy": p.alive,
                        "connected_s": round(time.time() - p.connected_at, 1)} for p in self.peers.values()],
         }
+
+
+def run(cfg: PrefillConfig) -> int:
+    from trnd.api.server import build_admin_app
+    from trnd.config import ServeConfig
+    from trnd.roles.runtime import http_server, run_async, serve_until_stopped
+    from trnd.roles.serve import resolve_model
+
+    model_dir = resolve_model(cfg.model)
+    name = model_dir.resolve().name
+
+    async def main() -> int:
+        server = PrefillServer(cfg, model_dir, name)
+        ctrl = await server.serve()
+        admin = build_admin_app(server.loop, ServeConfig(api_key=cfg.api_key, api_key_file=cfg.api_key_file), name,
+                                server.state_extra)
+        http = http_server(admin, cfg.host, cfg.admin_port)
+        try:
+            await serve_until_stopped(http, f"trnd: prefill for {name} (point {cfg.point}, tp={cfg.tp}) on "
+                                            f"{cfg.host}:{cfg.control_port}, admin http://{cfg.host}:{cfg.admin_port}")
+        finally:
+            ctrl.close()
+            server.loop.stop()
+            server.engine.close()
+        return 0
+
+    return run_async(main)
