@@ -36,3 +36,38 @@ def start_serve(model_dir, *extra: str, port: int | None = None) -> tuple[subpro
     proc = subprocess.Popen([sys.executable, "-m", "trnd", "serve", "--model", str(model_dir), "--port", str(port),
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, port
+
+
+def start_role(role: str, model_dir, secret_file, *extra: str, **ports) -> subprocess.Popen:
+    """`trnd prefill|decode` as a real process. ports: control_port/admin_port (prefill), port (decode)."""
+    args = [sys.executable, "-m", "trnd", role, "--model", str(model_dir), "--secret-file", str(secret_file),
+            "--threads", "1"]
+    for k, v in ports.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return subprocess.Popen(args + list(extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10) -> str:
+    """Terminate (then kill) and return what it printed."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.stdout.read() if proc.stdout else ""
+
+
+def admin_state(port: int) -> dict:
+    return httpx.get(f"http://127.0.0.1:{port}/admin/state", timeout=10).json()
+
+
+def wait_for(pred, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    return pred()

@@ -64,6 +64,7 @@ def _disagg_parsers(sub) -> None:
     d.add_argument("--port", type=int, help="OpenAI API port (default 8000)")
     d.add_argument("--prefill", action="append", metavar="HOST:PORT", help="a prefill server's control port")
     d.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    d.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
 
 
 def _model_parser(sub) -> None:

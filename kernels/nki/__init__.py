@@ -12,6 +12,8 @@ kernel raises `SDKMissing`. Only the neuron backend calls kernels, after it chec
 
 from __future__ import annotations
 
+import os
+
 try:  # the SDK's own namespace (NKI >= 0.2); older code used neuronxcc.nki
     import nki
     import nki.isa as nisa
@@ -39,6 +41,15 @@ def jit(fn):
     missing.__name__ = fn.__name__
     missing.__wrapped__ = fn
     return missing
+
+
+def launch(kernel):
+    """The kernel launched on the runtime's logical NeuronCore size: `kernel[lnc]` must equal
+    NEURON_LOGICAL_NC_CONFIG or the runtime refuses. trn2 defaults to LNC=2. The kernels do not split work
+    by nl.program_id yet, so under LNC=2 both physical cores compute (and write) the same result."""
+    if nki is None:
+        return kernel
+    return kernel[int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))]
 
 
 def dtype_name(dtype) -> str:

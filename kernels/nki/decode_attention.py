@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from kernels import attention
-from kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, nisa, nl
+from kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
 
 MASK = -30000.0  # added to scores of slots >= ctx
 NEG_INIT = -1.0e30  # running max before the first block (finite: exp(NEG_INIT - m) is 0, never NaN)
@@ -57,31 +57,39 @@ def prepare(pages: torch.Tensor, ctx: torch.Tensor, layer: int, num_layers: int,
     return rows, ctx.to(torch.int32), blocks.to(torch.int32)
 
 
-def _attend_group(out, q, kv, rows, pos, lim, nblk, b, h, scale):
-    """Online-softmax attention of q heads [h*G, (h+1)*G) of sequence b over its KV blocks."""
-    hq, d = q.shape[1], q.shape[2]
+def load_transposed(src, rows, d, dtype):
+    """An HBM view [rows, D] -> SBUF [D, rows]: D on partitions, the contraction axis of q K^T."""
+    tile = nl.ndarray((rows, d), dtype=dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=src)
+    t_ps = nl.ndarray((d, rows), dtype=dtype, buffer=nl.psum)
+    nisa.nc_transpose(dst=t_ps, data=tile)
+    t_sb = nl.ndarray((d, rows), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=t_sb, src=t_ps)
+    return t_sb
+
+
+def attend(out, qt, kv, rows, row0, pos, lim, nblk, h, scale):
+    """Online-softmax attention of R query rows (qt [D, R], R <= 128) over KV blocks 0 .. nblk-1 of KV head h.
+
+    rows: HBM row-id table whose block i is the PPB ids at rows[row0 + i*PPB ...]; lim [R, 1] fp32: the
+    first masked slot of block 0 per query row (updated in place, -T per block); out: HBM view [R, D].
+    Shared by decode (R = the G heads of one token) and prefill (R = tokens of one head)."""
+    d, r = qt.shape
     hk, p = kv.shape[2], kv.shape[3]
-    nb, ppb = rows.shape[1], rows.shape[2]
-    g, t = hq // hk, ppb * p
+    ppb = rows.shape[-1]
+    t = ppb * p
 
-    qg = nl.ndarray((g, d), dtype=q.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=qg, src=q[b, h * g:(h + 1) * g, :])
-    qt_ps = nl.ndarray((d, g), dtype=q.dtype, buffer=nl.psum)
-    nisa.nc_transpose(dst=qt_ps, data=qg)
-    qt = nl.ndarray((d, g), dtype=q.dtype, buffer=nl.sbuf)  # q^T: D on partitions, the matmul's contraction
-    nisa.tensor_copy(dst=qt, src=qt_ps)
-
-    m = nl.ndarray((g, 1), dtype=nl.float32, buffer=nl.sbuf)
-    l_sum = nl.ndarray((g, 1), dtype=nl.float32, buffer=nl.sbuf)
-    acc = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.sbuf)
+    m = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    l_sum = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    acc = nl.ndarray((r, d), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=m, value=NEG_INIT)
     nisa.memset(dst=l_sum, value=0.0)
     nisa.memset(dst=acc, value=0.0)
 
     def block(i):  # i: the block index, a runtime register
         ids = nl.ndarray((1, ppb), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=ids, src=rows.ap(pattern=[[ppb, 1], [1, ppb]], offset=b * nb * ppb,
-                                           scalar_offset=i, indirect_dim=1))
+        nisa.dma_copy(dst=ids, src=rows.ap(pattern=[[ppb, 1], [1, ppb]], offset=row0,
+                                           scalar_offset=i, indirect_dim=rows.ndim - 2))
         kb = nl.ndarray((t, d), dtype=kv.dtype, buffer=nl.sbuf)
         vb = nl.ndarray((t, d), dtype=kv.dtype, buffer=nl.sbuf)
         for j in range(ppb):  # page j of the block -> partitions [j*P, (j+1)*P)
@@ -138,6 +146,8 @@ def _attend_group(out, q, kv, rows, pos, lim, nblk, b, h, scale):
     nisa.dma_copy(dst=out[b, h * g:(h + 1) * g, :], src=o)
 
 
+
+
 @jit
 def decode_attention_kernel(q, kv, rows, ctx, blocks, scale):
     """q [B, Hq, D]; kv rows [pages * layers, 2, Hk, P, D]; rows [B, NB, PPB], ctx [B], blocks [B] int32
@@ -169,6 +179,6 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, layer: int, meta: attent
         return attention.decode_attention(q, kv, layer, meta, scale)
     n, layers, _, hk, p, d = kv.shape
     rows, ctx32, blocks = prepare(pages, ctx, layer, layers, p)
-    return decode_attention_kernel(q.contiguous(), kv.view(n * layers, 2, hk, p, d), rows, ctx32, blocks,
-                                   float(scale))
+    kernel = launch(decode_attention_kernel)
+    return kernel(q.contiguous(), kv.view(n * layers, 2, hk, p, d), rows, ctx32, blocks, float(scale))
 

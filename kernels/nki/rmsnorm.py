@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels import norm
-from kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, nisa, nl
+from kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
 
 # Free-dim budget per partition (SBUF has 192 KiB per partition on trn2): x, residual sum, y, out and the
 # weight tile, 5 * 4 * H bytes in fp32 = 160 KiB at H = 8192 (half that in bf16).
@@ -90,7 +90,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not supports(x.shape, weight.shape, x.dtype) or weight.dtype != x.dtype:
         return norm.rms_norm(x, weight, eps)
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    return rms_norm_kernel(flat, weight.contiguous(), float(eps)).view(x.shape)
+    return launch(rms_norm_kernel)(flat, weight.contiguous(), float(eps)).view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -98,6 +98,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if not supports(x.shape, weight.shape, x.dtype) or not same:
         return norm.add_rms_norm(x, residual, weight, eps)
     h = x.shape[-1]
-    out, res = add_rms_norm_kernel(x.reshape(-1, h).contiguous(), residual.reshape(-1, h).contiguous(),
-                                   weight.contiguous(), float(eps))
+    kernel = launch(add_rms_norm_kernel)
+    out, res = kernel(x.reshape(-1, h).contiguous(), residual.reshape(-1, h).contiguous(), weight.contiguous(),
+                      float(eps))
     return out.view(x.shape), res.view(x.shape)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels import rotary
-from kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, nisa, nl
+from kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
 
 # heads * head_dim per partition: x, out and two half-width product tiles are 3 * 4 * 8192 B = 96 KiB in fp32,
 # half of SBUF's 192 KiB per partition, leaving room for the compiler to double-buffer token tiles.
@@ -73,4 +73,4 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     same = q.dtype == k.dtype == cos.dtype == sin.dtype
     if not same or not supports(q.shape, k.shape, cos.shape, q.dtype):
         return rotary.apply_rotary(q, k, cos, sin)
-    return rotary_kernel(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous())
+    return launch(rotary_kernel)(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous())

@@ -48,13 +48,18 @@ class KVAgent:
 
     def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes):
         """Start one batched WRITE (all descriptors of a chunk); returns the handle to poll."""
-        local = self.agent.get_xfer_descs(src, "DRAM")
-        remote = self.agent.get_xfer_descs(dst, "DRAM")
-        handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notif)
-        state = self.agent.transfer(handle)
-        if state == "ERR":
-            self.agent.release_xfer_handle(handle)
-            raise ConnectionError(f"NIXL WRITE to {peer} failed to start")
+        handle = None
+        try:
+            local = self.agent.get_xfer_descs(src, "DRAM")
+            remote = self.agent.get_xfer_descs(dst, "DRAM")
+            handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notif)
+            state = self.agent.transfer(handle)
+        except Exception as e:  # nixl raises its own errors (e.g. NIXL_ERR_REMOTE_DISCONNECT)
+            state = f"ERR ({e.__class__.__name__}: {e})"
+        if state.startswith("ERR"):
+            if handle is not None:
+                self.release(handle)
+            raise ConnectionError(f"NIXL WRITE to {peer} failed to start: {state}")
         return handle
 
     def state(self, handle) -> str:
@@ -72,7 +77,11 @@ class KVAgent:
             log.debug("release_xfer_handle: %s", e)
 
     def notifs(self) -> dict[str, list[bytes]]:
-        return self.agent.get_new_notifs()
+        try:
+            return self.agent.get_new_notifs()
+        except Exception as e:
+            log.warning("NIXL get_new_notifs: %s", e)
+            return {}
 
     def close(self) -> None:
         for name in list(self.peers):

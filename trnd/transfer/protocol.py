@@ -45,8 +45,8 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Fields that must be equal on both sides, in the order they are reported.
-MUST_MATCH = ("protocol_version", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim",
-              "page_size", "point", "max_context", "max_batch")
+MUST_MATCH = ("protocol_version", "model_fingerprint", "point", "dtype", "num_layers", "num_kv_heads", "head_dim",
+              "page_size", "max_context", "max_batch")
 
 
 def mismatch(a: Manifest, b: Manifest) -> str | None:

@@ -1,0 +1,152 @@
+"""Targets and polling: which trnd processes to watch, and one HTTP client per target.
+
+A poll asks `/admin/state` and `/ready` together under one overall deadline (shorter than the
+interval), so a slow target costs one pending request and never a frozen screen or a pile-up.
+Targets are `http://host:port` URLs or `unix:/run/trnd/<role>.sock` sockets (httpx's uds transport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+
+from trnd.top.model import Poll
+
+DEFAULT_TARGET = "http://127.0.0.1:8000"
+CONFIG_DIR = "/etc/trnd"
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str  # how the node is named on screen
+    url: str  # base URL; http://localhost for a unix socket
+    uds: str | None = None
+    api_key: str | None = None
+
+
+def parse_target(spec: str, api_key: str | None = None) -> Target:
+    """`http://host:port`, `host:port`, `:port` or `unix:/path.sock`."""
+    spec = spec.strip()
+    if spec.startswith("unix:"):
+        path = spec.removeprefix("unix:").removeprefix("//")
+        return Target(label=f"unix:{path}", url="http://localhost", uds=path, api_key=api_key)
+    if "://" not in spec:
+        spec = "http://" + (f"127.0.0.1{spec}" if spec.startswith(":") else spec)
+    url = spec.rstrip("/")
+    return Target(label=url.split("://", 1)[1], url=url, api_key=api_key)
+
+
+def _loopback(host: str) -> str:
+    """A wildcard bind address is reached on loopback from this machine."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def targets_from_configs(config_dir: str = CONFIG_DIR, api_key: str | None = None) -> list[Target]:
+    """One target per role config in `config_dir/*.toml`: the admin URL from host and port (serve,
+    decode) or admin_port (prefill). The role comes from the file name, else from its fields."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(config_dir, "*.toml"))):
+        try:
+            with open(path, "rb") as f:
+                cfg = msgspec.toml.decode(f.read())
+        except (OSError, msgspec.DecodeError):
+            continue
+        if not isinstance(cfg, dict) or "points" in cfg:  # points.toml is not a role
+            continue
+        stem = os.path.splitext(os.path.basename(path))[0]
+        prefill = stem.startswith("prefill") or ("admin_port" in cfg or "control_port" in cfg)
+        host = _loopback(str(cfg.get("host", "127.0.0.1")))
+        port = cfg.get("admin_port", 8101) if prefill else cfg.get("port", 8000)
+        key = api_key or (cfg.get("api_key") if isinstance(cfg.get("api_key"), str) else None)
+        out.append(parse_target(f"http://{host}:{port}", key))
+    return out
+
+
+def resolve_targets(specs: list[str], api_key: str | None = None, config_dir: str = CONFIG_DIR) -> list[Target]:
+    """Arguments, else the local role configs, else the local default."""
+    if specs:
+        return [parse_target(s, api_key) for s in specs]
+    return targets_from_configs(config_dir, api_key) or [parse_target(DEFAULT_TARGET, api_key)]
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        msg = r.json()["error"]["message"]
+    except Exception:
+        msg = r.text[:80]
+    return f"HTTP {r.status_code}: {msg}"
+
+
+class Client:
+    """Talks to one target. `poll()` never raises: a failure is a Poll with kind and error."""
+
+    def __init__(self, target: Target, timeout: float):
+        self.target = target
+        self.timeout = timeout
+        headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+        transport = httpx.AsyncHTTPTransport(uds=target.uds) if target.uds else None
+        self.http = httpx.AsyncClient(base_url=target.url, headers=headers, transport=transport, timeout=timeout)
+
+    async def poll(self) -> Poll:
+        try:
+            state, ready = await asyncio.wait_for(asyncio.gather(self.http.get("/admin/state"),
+                                                                 self.http.get("/ready")), self.timeout)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            return Poll(None, kind="slow", error=f"no answer in {self.timeout:g} s")
+        except httpx.ConnectError as e:
+            return Poll(None, kind="unreachable", error=_connect_reason(e))
+        except httpx.HTTPError as e:
+            return Poll(None, kind="unreachable", error=type(e).__name__)
+        try:
+            status = ready.json().get("status")
+        except ValueError:
+            status = None
+        if state.status_code != 200:
+            return Poll(None, ready=status, kind="error", error=_error_message(state))
+        try:
+            body = state.json()
+        except ValueError:
+            return Poll(None, ready=status, kind="error", error="/admin/state is not JSON")
+        return Poll(body, ready=status)
+
+    async def post(self, path: str) -> tuple[bool, str]:
+        """An admin action: (ok, what it answered, in a few words)."""
+        try:
+            r = await self.http.post(path, timeout=max(self.timeout, 6.0))  # the server waits up to 5 s on its loop
+        except httpx.HTTPError as e:
+            return False, f"{self.target.label}: {type(e).__name__}"
+        if r.status_code != 200:
+            return False, f"{self.target.label}: {_error_message(r)}"
+        return True, f"{self.target.label}: {r.text.strip()}"
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+def _connect_reason(e: httpx.ConnectError) -> str:
+    text = str(e).lower()
+    if "refused" in text:
+        return "connection refused"
+    if "no such file" in text:
+        return "no such socket"
+    if "name or service" in text or "nodename" in text:
+        return "unknown host"
+    return "cannot connect"
+
+
+async def poll_all(targets: list[Target], timeout: float) -> list[Poll]:
+    """One poll of every target at once (for `--once`)."""
+    clients = [Client(t, timeout) for t in targets]
+    try:
+        return list(await asyncio.gather(*(c.poll() for c in clients)))
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))

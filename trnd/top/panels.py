@@ -1,0 +1,350 @@
+"""The four panels of `trnd top`: nodes, batch, cache, transfers.
+
+Each panel takes the list of NodeTracks and redraws itself from them (`show`). Tables are updated by
+diff keyed by row id: changed cells only, rows added and removed, reordered in place, the cursor kept
+on its row; the app wraps a refresh in `batch_update` so one poll is one repaint. Colors are the
+theme's semantic ones (`$text-success`, `$warning`, ...), so a light theme stays readable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
+from textual.widgets import DataTable, Static
+
+from trnd.top.model import (SORTS, NodeTrack, ReqRow, fmt_bytes, fmt_duration, fmt_rate, layout_text, short_id,
+                            sort_rows, sparkline)
+
+STATUS_COLORS = {"ready": "text-success", "loading": "text-primary", "draining": "text-warning",
+                 "degraded": "text-warning", "slow": "text-warning", "unreachable": "text-error",
+                 "error": "text-error", "polling": "foreground-muted"}
+REQ_COLORS = {"decoding": "text-success", "prefilling": "text-primary", "waiting KV": "text-warning",
+              "waiting": "foreground-muted"}
+
+
+@dataclass
+class ViewOpts:
+    filter: str = ""
+    sort: int = 0  # index into model.SORTS
+    now: float = 0.0  # the app's clock, for "unreachable for 12 s"
+
+
+class Keyed(Text):
+    """A cell that knows its row's key, so the table can be put in our order with DataTable.sort."""
+
+    def __init__(self, text: str, key: str, style: str = ""):
+        super().__init__(text, style=style, no_wrap=True, end="")
+        self.row_key = key
+
+
+def paint(widget, text: str, var: str) -> Text:
+    """Rich text in one of the theme's colors (DataTable cells are Rich, not Textual markup)."""
+    color = widget.app.theme_variables.get(var, "")
+    if not color.startswith("#"):  # e.g. "auto 60%": not a Rich color
+        return Text(text, style="dim", no_wrap=True, end="")
+    return Text(text, style=color, no_wrap=True, end="")
+
+
+def num(n: int | float | None) -> Text:
+    return Text("-" if n is None else str(n), justify="right", no_wrap=True, end="")
+
+
+def sync_table(table: DataTable, rows: list[tuple[str, list]]) -> None:
+    """Make `table` show `rows` ((key, cells), in order; cells[0] a Keyed) touching only what changed."""
+    selected = None
+    if table.row_count and table.is_valid_row_index(table.cursor_row):
+        selected = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+    wanted = {k for k, _ in rows}
+    for key in [k.value for k in table.rows if k.value not in wanted]:
+        table.remove_row(key)
+    columns = [c.key for c in table.ordered_columns]
+    for key, cells in rows:
+        if key in table.rows:
+            for col, value in zip(columns, cells):
+                if table.get_cell(key, col) != value:
+                    table.update_cell(key, col, value, update_width=True)
+        else:
+            table.add_row(*cells, key=key)
+    order = [k for k, _ in rows]
+    if [r.key.value for r in table.ordered_rows] != order:
+        rank = {k: i for i, k in enumerate(order)}
+        table.sort(columns[0], key=lambda cell: rank[cell.row_key])
+    if selected in wanted:
+        index = table.get_row_index(selected)
+        if index != table.cursor_row:
+            table.move_cursor(row=index)
+
+
+def selected_key(table: DataTable) -> str | None:
+    if not table.row_count or not table.is_valid_row_index(table.cursor_row):
+        return None
+    return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+
+
+# -- nodes ------------------------------------------------------------------------------------------
+
+class NodesPanel(Vertical):
+    """One row per target, and the details of the highlighted one below."""
+
+    DEFAULT_CSS = """
+    NodesPanel #nodes-table { height: auto; max-height: 1fr; }
+    NodesPanel #node-info { height: auto; padding: 1 1 0 1; }
+    """
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.tracks: list[NodeTrack] = []
+        self.opts = ViewOpts()
+
+    def compose(self) -> ComposeResult:
+        table = DataTable(id="nodes-table", cursor_type="row")
+        table.add_columns("node", "role", "model", "tp", "up", "state", "step", "tok/s", "run", "wait", "note")
+        yield table
+        yield Static(id="node-info")
+
+    def show(self, tracks: list[NodeTrack], opts: ViewOpts) -> None:
+        self.tracks, self.opts = tracks, opts
+        rows = []
+        for t in tracks:
+            st = t.state
+            role = t.role + (f" {t.known['point']}" if t.known.get("point") else "")
+            step = t.step_ms()
+            rows.append((t.name, [
+                Keyed(t.name, t.name), Text(role if t.known else "-"), Text(str(t.known.get("model", "-"))),
+                Text(layout_text(st, t.known)), num(fmt_duration(st["uptime_s"]) if st else None),
+                paint(self, t.status, STATUS_COLORS.get(t.status, "foreground")),
+                num(f"{step:.1f}ms" if step is not None else None), num(fmt_rate(t.rates.get("gen")) if st else None),
+                num(len(st.get("running", [])) if st else None), num(len(st.get("waiting", [])) if st else None),
+                paint(self, t.note(opts.now), "text-warning")]))
+        sync_table(self.query_one(DataTable), rows)
+        self.show_info()
+
+    def selected_node(self) -> str | None:
+        return selected_key(self.query_one(DataTable))
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self.show_info()
+
+    def show_info(self) -> None:
+        name = self.selected_node()
+        track = next((t for t in self.tracks if t.name == name), None)
+        self.query_one("#node-info", Static).update(node_info(track, self.opts.now) if track else "")
+
+
+def node_info(t: NodeTrack, now: float) -> Content:
+    st = t.state
+    color = STATUS_COLORS.get(t.status, "foreground")
+    head = Content.from_markup(f"[b]$name[/b]  [${color}]$status[/]  $note", name=t.name, status=t.status,
+                               note=t.note(now))
+    if st is None:
+        return head
+    lay = st.get("layout") or {}
+    ranks = " ".join(f"{r.get('rank')}{'✓' if r.get('alive', True) else '✗'}" for r in lay.get("ranks", []))
+    lim = st.get("limits") or {}
+    pg = st.get("pages") or {}
+    s = st.get("stats") or {}
+    lines = [
+        f"{t.role} · {st.get('model', '?')}" + (f" · point {st['point']}" if st.get("point") else "")
+        + f" · up {fmt_duration(st.get('uptime_s'))}",
+        f"tp {lay.get('tp', '-')} · ranks {ranks or '-'} · kv heads/rank {lay.get('kv_heads_per_rank', '-')}",
+        " · ".join(f"{k} {v}" for k, v in lim.items()),
+        f"pages {pg.get('total', '-')} × {pg.get('page_size', '-')} tok ({fmt_bytes(pg.get('page_bytes'))})"
+        f" · running {len(st.get('running', []))} · waiting {len(st.get('waiting', []))}",
+        f"decode {fmt_rate(t.rates.get('gen'))} tok/s · prefill {fmt_rate(t.rates.get('prefill'))} tok/s"
+        f" · last step {s.get('last_step_s', 0) * 1000:.1f} ms / {s.get('last_step_tokens', 0)} tok",
+        f"finished {s.get('finished', 0)} · aborted {s.get('aborted', 0)} · preemptions {s.get('preemptions', 0)}"
+        f" · steps {s.get('steps', 0)}",
+    ]
+    return Content("\n").join([head, *(Content(line) for line in lines)])
+
+
+# -- batch ------------------------------------------------------------------------------------------
+
+class BatchPanel(Vertical):
+    """Running requests of every node (then the waiting queue) keyed by node and request id."""
+
+    DEFAULT_CSS = """
+    BatchPanel #batch-summary { height: 1; padding: 0 1; }
+    BatchPanel #batch-table { height: 1fr; }
+    """
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.rows: dict[str, ReqRow] = {}
+        self.multi: bool | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="batch-summary")
+        yield DataTable(id="batch-table", cursor_type="row")
+
+    def _columns(self, multi: bool) -> None:
+        table = self.query_one(DataTable)
+        table.clear(columns=True)
+        table.add_column("id", key="id")
+        if multi:
+            table.add_column("node", key="node")
+        for label in ("session", "state", "prompt", "cached", "gen", "tok/s", "age"):
+            table.add_column(label, key=label)
+        self.multi = multi
+
+    def show(self, tracks: list[NodeTrack], opts: ViewOpts) -> None:
+        multi = len(tracks) > 1
+        if multi != self.multi:
+            self._columns(multi)
+        every = [r for t in tracks for r in t.requests()]
+        needle = opts.filter.lower()
+        shown = sort_rows([r for r in every if needle in r.text()], opts.sort)
+        self.rows = {r.key: r for r in shown}
+        rows = []
+        for r in shown:
+            cells = [Keyed(short_id(r.id), r.key)]
+            if multi:
+                cells.append(Text(r.node, no_wrap=True))
+            cells += [Text((r.session or "-")[:14], no_wrap=True), paint(self, r.state, REQ_COLORS.get(r.state, "")),
+                      num(r.prompt), num(r.cached), num(r.generated), num(fmt_rate(r.tokens_per_s)),
+                      num(fmt_duration(r.age_s))]
+            rows.append((r.key, cells))
+        sync_table(self.query_one(DataTable), rows)
+        running = sum(not r.queued for r in every)
+        queued = [r for r in every if r.queued]
+        oldest = f" (oldest {fmt_duration(max(r.age_s for r in queued))})" if queued else ""
+        text = f"running {running} · waiting {len(queued)}{oldest} · sort {SORTS[opts.sort % len(SORTS)][0]}"
+        if needle:
+            text += f" · filter “{opts.filter}”: {len(shown)} shown"
+        self.query_one("#batch-summary", Static).update(Content(text))
+
+    def selected(self) -> ReqRow | None:
+        key = selected_key(self.query_one(DataTable))
+        return self.rows.get(key) if key else None
+
+
+# -- cache ------------------------------------------------------------------------------------------
+
+def bar(width: int, in_use: int, cached: int, total: int) -> Content:
+    """in use █ | cached ▓ | free ░, each part at least one cell when not zero."""
+    width = max(4, width)
+    if total <= 0:
+        return Content("░" * width)
+    parts = [in_use * width / total, cached * width / total]
+    cells = [max(1, round(p)) if n else 0 for p, n in zip(parts, (in_use, cached))]
+    while sum(cells) > width:
+        cells[cells.index(max(cells))] -= 1
+    free = width - sum(cells)
+    return Content.from_markup(f"[$error]{'█' * cells[0]}[/][$primary]{'▓' * cells[1]}[/]"
+                               f"[$foreground 35%]{'░' * free}[/]")
+
+
+class CacheCard(Static):
+    """Page usage of one node's tiers, its prefix cache and its hottest prefixes."""
+
+    DEFAULT_CSS = "CacheCard { height: auto; padding: 0 1; margin-bottom: 1; }"
+
+    def __init__(self, track: NodeTrack, **kw):
+        super().__init__(**kw)
+        self.track = track
+
+    def render(self) -> Content:
+        t = self.track
+        width = max(30, self.size.width - 2)
+        title = Content.from_markup(f"[b]$name[/b] · $role · [${STATUS_COLORS.get(t.status, 'foreground')}]"
+                                    f"$status[/]", name=t.name, role=t.role, status=t.status)
+        lines = [title]
+        if t.state is None:
+            return Content("\n").join(lines)
+        for tier in t.tiers():
+            pct = f"{(tier.in_use + tier.cached) / tier.total:4.0%}" if tier.total else "   -"
+            label = f"{tier.name[:7]:<7} "
+            lines.append(Content(label) + bar(width - len(label) - 6, tier.in_use, tier.cached, tier.total)
+                         + Content(f" {pct}"))
+            size = f" × {fmt_bytes(tier.page_bytes)}" if tier.page_bytes else ""
+            rates = f" · evict {fmt_rate(tier.evict_per_s)}/s" if tier.evict_per_s is not None else ""
+            rates += f" · load {fmt_rate(tier.load_per_s)}/s" if tier.load_per_s is not None else ""
+            lines.append(Content.from_markup(
+                f"{' ' * len(label)}[$error]█[/] in use {tier.in_use}  [$primary]▓[/] cached {tier.cached}  "
+                f"[$foreground 35%]░[/] free {tier.free}  / {tier.total}{size}{rates}"))
+        rad = t.state.get("radix") or {}
+        win = f" (last poll {t.hit_window:.0%})" if t.hit_window is not None else ""
+        lines.append(Content(f"prefix hit {rad.get('hit_rate', 0.0):.1%}{win} · "
+                             f"{rad.get('hit_tokens', 0)}/{rad.get('query_tokens', 0)} tok · "
+                             f"evicted {rad.get('evicted_pages', 0)} ({fmt_rate(t.rates.get('evict'))}/s) · "
+                             f"radix nodes {rad.get('nodes', 0)}"))
+        hot = t.hot_prefixes()
+        if hot:
+            lines.append(Content.from_markup("[$text-primary]hottest prefixes[/]"))
+            for label, figs in hot[:5]:
+                room = max(10, width - len(figs) - 4)
+                lines.append(Content(f"  {label[:room]:<{room}} {figs}"))
+        return Content("\n").join(lines)
+
+
+class CachePanel(VerticalScroll):
+    def show(self, tracks: list[NodeTrack], opts: ViewOpts) -> None:
+        cards = {c.track.name: c for c in self.query(CacheCard)}
+        for name in set(cards) - {t.name for t in tracks}:
+            cards.pop(name).remove()
+        for t in tracks:
+            card = cards.get(t.name)
+            if card is None:
+                self.mount(CacheCard(t))
+            else:
+                card.track = t
+                card.refresh(layout=True)
+
+
+# -- transfers --------------------------------------------------------------------------------------
+
+class TransfersPanel(Vertical):
+    """KV handoffs between prefill and decode roles: counters, handoffs in flight, throughput per peer."""
+
+    DEFAULT_CSS = """
+    TransfersPanel #xfer-summary { height: auto; max-height: 6; padding: 0 1; }
+    TransfersPanel .xfer-title { height: 1; padding: 0 1; color: $text-primary; }
+    TransfersPanel DataTable { height: 1fr; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="xfer-summary")
+        yield Static("in flight", classes="xfer-title")
+        flights = DataTable(id="xfer-flights", cursor_type="row")
+        flights.add_columns("id", "node", "peer", "progress", "age")
+        yield flights
+        yield Static("peers", classes="xfer-title")
+        peers = DataTable(id="xfer-peers", cursor_type="row")
+        peers.add_columns("peer", "node", "kind", "health", "throughput", "rate", "total", "note")
+        yield peers
+
+    def show(self, tracks: list[NodeTrack], opts: ViewOpts) -> None:
+        summary, flight_rows, peer_rows = [], [], []
+        needle = opts.filter.lower()
+        for t in tracks:
+            counters, flights, peers = t.transfers()
+            if not (counters or flights or peers):
+                continue
+            failed = counters.get("failed", 0)
+            figs = " · ".join(f"{k} {fmt_bytes(v) if k == 'bytes' else v}" for k, v in counters.items())
+            summary.append(Content.from_markup(f"[b]$name[/b] ({t.role}) $figs", name=t.name, figs=figs)
+                           + (Content.from_markup("  [$text-error]failures![/]") if failed else Content("")))
+            for f in flights:
+                if needle and needle not in f"{f.node} {f.rid} {f.peer}".lower():
+                    continue
+                key = f"{f.node}\t{f.rid}"
+                flight_rows.append((key, [Keyed(short_id(f.rid), key), Text(f.node, no_wrap=True),
+                                          Text(f.peer, no_wrap=True), Text(f.detail), num(f"{f.age_s:.1f}s")]))
+            for p in peers:
+                key = f"{p.node}\t{p.peer}"
+                health = "-" if p.healthy is None else ("ok" if p.healthy else "down")
+                peer_rows.append((key, [
+                    Keyed(p.peer, key), Text(p.node, no_wrap=True), Text(p.kind),
+                    paint(self, health, {"ok": "text-success", "down": "text-error"}.get(health, "foreground")),
+                    paint(self, sparkline(p.history, 16).ljust(16) if p.history else "-", "text-primary"),
+                    num(fmt_bytes(p.rate, "/s")), num(fmt_bytes(p.total_bytes)), Text(p.note, no_wrap=True)]))
+        if not summary:
+            summary = [Content("no disaggregated roles among the targets: KV handoffs appear with "
+                               "trnd prefill / trnd decode")]
+        self.query_one("#xfer-summary", Static).update(Content("\n").join(summary))
+        sync_table(self.query_one("#xfer-flights", DataTable), flight_rows)
+        sync_table(self.query_one("#xfer-peers", DataTable), peer_rows)
