@@ -1,6 +1,7 @@
 """NumPy mirrors of the NKI kernels (kernels/mirrors/) against their torch twins (kernels/*.py), on random
 shapes: row counts across 128-row tiles, ragged page tables, GQA groups 1/2/4, contexts that are not a
-multiple of the page size, several KV blocks per sequence. Also each kernel's supports()."""
+multiple of the page size, several KV blocks per sequence, prefill chunks after a cached prefix. Also each
+kernel's supports() and the torch-side input preparation."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import pytest
 import torch
 
 from kernels import attention, norm, rotary
+from kernels.attention import AttnMeta, PrefillSeq
 from kernels.mirrors import decode_attention as m_decode
+from kernels.mirrors import prefill_attention as m_prefill
 from kernels.mirrors import rmsnorm as m_norm
 from kernels.mirrors import rotary as m_rotary
 from kernels.nki import decode_attention as k_decode
+from kernels.nki import prefill_attention as k_prefill
 from kernels.nki import rmsnorm as k_norm
 from kernels.nki import rotary as k_rotary
 from trnd.backends.check import kernel_cases, make_decode_case
@@ -159,3 +163,54 @@ def test_decode_mirror_on_the_device_check_cases(case):
     _, _, (q, kv, layer, meta, scale) = case
     close(run_mirror(q, kv, layer, meta, scale), attention.decode_attention(q, kv, layer, meta, scale),
           torch.float32)
+
+
+# -- paged prefill attention ------------------------------------------------------------------------------
+
+def make_prefill(prior, q_len, hq, hk, d, page_size, layers=2, seed=0):
+    """A pool of noise, a sequence whose first `prior` tokens are cached in shuffled pages, and a chunk of
+    q_len new tokens whose K/V are written into its pages first, as the model does before attention."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = prior + q_len
+    n = -(-ctx // page_size)
+    kv = torch.randn(n + 3, layers, 2, hk, page_size, d, generator=g)
+    pages = torch.randperm(n + 3, generator=g)[:n]
+    q = torch.randn(q_len, hq, d, generator=g)
+    k_new, v_new = torch.randn(q_len, hk, d, generator=g), torch.randn(q_len, hk, d, generator=g)
+    tok = torch.arange(prior, ctx)
+    meta = AttnMeta(pages[tok // page_size], tok % page_size, 0, None, None, [])
+    return q, k_new, v_new, kv, meta, PrefillSeq(0, q_len, ctx, pages)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("prior, q_len, page_size", [
+    (0, 1, 16), (0, 37, 16), (5, 1, 16),  # no prefix; a one-token chunk after a prefix
+    (100, 200, 16),  # two query tiles, several KV blocks
+    (250, 130, 48),  # prefix and chunk both end mid-page; 96-token blocks
+    (3, 129, 128),  # one page per block
+])
+def test_prefill_mirror_matches_twin(group, prior, q_len, page_size):
+    hk, d = 2, 32
+    q, k_new, v_new, kv, meta, seq = make_prefill(prior, q_len, hk * group, hk, d, page_size, seed=prior + group)
+    for layer in range(kv.shape[1]):
+        attention.write_kv(kv, layer, k_new, v_new, meta)
+        twin = attention.prefill_attention(q, k_new, v_new, kv, layer, seq, page_size, d ** -0.5)
+        n, layers, _, _, p, _ = kv.shape
+        rows, first, blocks = k_prefill.prepare(seq.pages, seq.ctx_len, seq.q_len, layer, layers, p)
+        mirror = m_prefill.prefill_attention(q.numpy(), kv.reshape(n * layers, 2, hk, p, d).numpy(), rows.numpy(),
+                                             first.numpy(), blocks.numpy(), d ** -0.5)
+        close(mirror, twin, torch.float32)
+
+
+def test_prefill_prepare():
+    rows, first, blocks = k_prefill.prepare(torch.arange(20), ctx_len=300, q_len=200, layer=1, num_layers=2,
+                                            page_size=16)
+    assert rows.shape == (3, 8) and rows[0, :3].tolist() == [1, 3, 5]
+    assert first.tolist() == [101, 229]  # prior 100: row 0 of tile 0 sees keys 0..100
+    assert blocks.tolist() == [2, 3]  # tile 0's last row is position 227 (2 blocks of 128), tile 1's is 299
+
+
+def test_prefill_supports():
+    assert k_prefill.supports((512, 32, 128), (100, 4, 2, 8, 64, 128), 40, torch.bfloat16)
+    assert not k_prefill.supports((512, 32, 256), (100, 4, 2, 8, 64, 256), 40, torch.bfloat16)
+    assert not k_prefill.supports((512, 30, 128), (100, 4, 2, 8, 64, 128), 40, torch.bfloat16)

@@ -20,6 +20,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help="weights and KV dtype "
                                                                                 "(default: the checkpoint's)")
+    p.add_argument("--aggregated", action="store_const", const=True,
+                   help="one process (API + engine); default: a local prefill + decode deployment")
+    p.add_argument("--point", help="decode point of the local deployment (configs/points.toml; default 8k)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree: ranks (processes) sharding the model "
                                           "(default 1)")
     p.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")

@@ -47,6 +47,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     threads: Positive | None = None
     log_level: str = "info"
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+    aggregated: bool = False  # serve only: one process instead of a local prefill + decode deployment
+    point: str = "8k"  # decode point of the local deployment's roles
+    prefill_control_port: Port | None = None  # local deployment: fixed ports for the prefill role
+    prefill_admin_port: Port | None = None
 
     def __post_init__(self):
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -110,6 +114,7 @@ class PrefillConfig(RoleConfig, kw_only=True):
     api_key_file: str | None = None
     control_port: Port = 8100  # decode servers connect here (msgspec + HMAC frames)
     admin_port: Port = 8101  # /health, /ready, /metrics, /admin/state
+    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0  # SIGTERM: in-flight prefills may finish this long
 
 
 class DecodeConfig(ServeConfig, kw_only=True):

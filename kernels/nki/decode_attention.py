@@ -71,8 +71,9 @@ def load_transposed(src, rows, d, dtype):
 def attend(out, qt, kv, rows, row0, pos, lim, nblk, h, scale):
     """Online-softmax attention of R query rows (qt [D, R], R <= 128) over KV blocks 0 .. nblk-1 of KV head h.
 
-    rows: HBM row-id table whose block i is the PPB ids at rows[row0 + i*PPB ...]; lim [R, 1] fp32: the
-    first masked slot of block 0 per query row (updated in place, -T per block); out: HBM view [R, D].
+    rows: HBM row-id table whose block i is the PPB ids at rows[row0 + i*PPB ...]; pos [R, T]: slot numbers
+    0 .. T-1 on every partition; lim [R, 1] fp32: per query row, the first slot of block 0 it must not see
+    (updated in place, -T per block); out: HBM view [R, D].
     Shared by decode (R = the G heads of one token) and prefill (R = tokens of one head)."""
     d, r = qt.shape
     hk, p = kv.shape[2], kv.shape[3]
@@ -103,59 +104,57 @@ def attend(out, qt, kv, rows, row0, pos, lim, nblk, h, scale):
         nisa.nc_transpose(dst=kt_ps, data=kb)
         kt = nl.ndarray((d, t), dtype=kv.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=kt, src=kt_ps)
-        s_ps = nl.ndarray((g, t), dtype=nl.float32, buffer=nl.psum)
+        s_ps = nl.ndarray((r, t), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_matmul(dst=s_ps, stationary=qt, moving=kt)
 
-        bias = nl.ndarray((g, t), dtype=nl.float32, buffer=nl.sbuf)  # MASK where pos >= ctx - i*T
+        bias = nl.ndarray((r, t), dtype=nl.float32, buffer=nl.sbuf)  # MASK where slot >= lim (lim = first masked slot)
         nisa.tensor_scalar(dst=bias, data=pos, op0=nl.greater_equal, operand0=lim, op1=nl.multiply, operand1=MASK)
-        s = nl.ndarray((g, t), dtype=nl.float32, buffer=nl.sbuf)
+        s = nl.ndarray((r, t), dtype=nl.float32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=s, data=s_ps, op0=nl.multiply, operand0=scale, op1=nl.add, operand1=bias)
 
-        m_new = nl.ndarray((g, 1), dtype=nl.float32, buffer=nl.sbuf)
+        m_new = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=m_new, op=nl.maximum, data=s, axis=1)
         nisa.tensor_tensor(dst=m_new, data1=m_new, data2=m, op=nl.maximum)
-        neg_m = nl.ndarray((g, 1), dtype=nl.float32, buffer=nl.sbuf)
+        neg_m = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=neg_m, data=m_new, op0=nl.multiply, operand0=-1.0)
-        probs = nl.ndarray((g, t), dtype=nl.float32, buffer=nl.sbuf)
-        row_sum = nl.ndarray((g, 1), dtype=nl.float32, buffer=nl.sbuf)
+        probs = nl.ndarray((r, t), dtype=nl.float32, buffer=nl.sbuf)
+        row_sum = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=probs, op=nl.exp, data=s, bias=neg_m, reduce_op=nl.add, reduce_res=row_sum,
                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        alpha = nl.ndarray((g, 1), dtype=nl.float32, buffer=nl.sbuf)  # exp(m - m'): rescales l and acc
+        alpha = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)  # exp(m - m'): rescales l and acc
         nisa.activation(dst=alpha, op=nl.exp, data=m, bias=neg_m)
         nisa.scalar_tensor_tensor(dst=l_sum, data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                   operand1=row_sum)
         nisa.tensor_copy(dst=m, src=m_new)
 
-        p_lo = nl.ndarray((g, t), dtype=kv.dtype, buffer=nl.sbuf)  # matmul inputs share V's dtype
+        p_lo = nl.ndarray((r, t), dtype=kv.dtype, buffer=nl.sbuf)  # matmul inputs share V's dtype
         nisa.tensor_copy(dst=p_lo, src=probs)
-        pt_ps = nl.ndarray((t, g), dtype=kv.dtype, buffer=nl.psum)
+        pt_ps = nl.ndarray((t, r), dtype=kv.dtype, buffer=nl.psum)
         nisa.nc_transpose(dst=pt_ps, data=p_lo)
-        pt = nl.ndarray((t, g), dtype=kv.dtype, buffer=nl.sbuf)
+        pt = nl.ndarray((t, r), dtype=kv.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=pt, src=pt_ps)
-        pv_ps = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.psum)
+        pv_ps = nl.ndarray((r, d), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_matmul(dst=pv_ps, stationary=pt, moving=vb)
         nisa.scalar_tensor_tensor(dst=acc, data=acc, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=pv_ps)
         nisa.tensor_scalar(dst=lim, data=lim, op0=nl.subtract, operand0=float(t))
 
     nl.fori_loop(0, nblk, block)
 
-    inv = nl.ndarray((g, 1), dtype=nl.float32, buffer=nl.sbuf)
+    inv = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=inv, data=l_sum)
-    o = nl.ndarray((g, d), dtype=q.dtype, buffer=nl.sbuf)
+    o = nl.ndarray((r, d), dtype=out.dtype, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=o, data=acc, op0=nl.multiply, operand0=inv)
-    nisa.dma_copy(dst=out[b, h * g:(h + 1) * g, :], src=o)
-
-
+    nisa.dma_copy(dst=out, src=o)
 
 
 @jit
 def decode_attention_kernel(q, kv, rows, ctx, blocks, scale):
     """q [B, Hq, D]; kv rows [pages * layers, 2, Hk, P, D]; rows [B, NB, PPB], ctx [B], blocks [B] int32
     (from `prepare`); scale a compile-time float -> [B, Hq, D]."""
-    bsz = q.shape[0]
+    bsz, hq, d = q.shape
     hk = kv.shape[2]
-    g = q.shape[1] // hk
-    t = rows.shape[2] * kv.shape[3]
+    nb, ppb = rows.shape[1], rows.shape[2]
+    g, t = hq // hk, ppb * kv.shape[3]
     out = nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm)
     pos = nl.ndarray((g, t), dtype=nl.float32, buffer=nl.sbuf)  # slot 0 .. T-1 of a block, on every partition
     nisa.iota(dst=pos, pattern=[[1, t]], offset=0)
@@ -165,9 +164,10 @@ def decode_attention_kernel(q, kv, rows, ctx, blocks, scale):
         nblk = nisa.register_alloc()
         nisa.register_load(nblk, nblk_sb)
         for h in range(hk):
-            lim = nl.ndarray((g, 1), dtype=nl.float32, buffer=nl.sbuf)  # ctx - i*T; the DMA casts int32 -> fp32
+            lim = nl.ndarray((g, 1), dtype=nl.float32, buffer=nl.sbuf)  # ctx for every head; the DMA casts to fp32
             nisa.dma_copy(dst=lim, src=ctx.reshape((bsz, 1))[b:b + 1, :].broadcast(0, g))
-            _attend_group(out, q, kv, rows, pos, lim, nblk, b, h, scale)
+            qt = load_transposed(q[b, h * g:(h + 1) * g, :], g, d, q.dtype)
+            attend(out[b, h * g:(h + 1) * g, :], qt, kv, rows, b * nb * ppb, pos, lim, nblk, h, scale)
     return out
 
 

@@ -332,25 +332,37 @@ class DecodeServer:
 
 
 def run(cfg: DecodeConfig) -> int:
+    """Load, serve HTTP, wait for a prefill peer, warm up through it, READY; drain on SIGTERM."""
     from trnd.api.server import build_app
-    from trnd.roles.runtime import http_server, run_async, serve_until_stopped
+    from trnd.daemon.lifecycle import Lifecycle, abort_requests, warm_up_loop
+    from trnd.roles.runtime import http_server, run_async
     from trnd.roles.serve import resolve_model
 
-    model_dir = resolve_model(cfg.model)
-    name = cfg.served_model_name or model_dir.resolve().name
-
-    async def main() -> int:
+    with Lifecycle("decode", cfg) as life:
+        model_dir = resolve_model(cfg.model)
+        name = cfg.served_model_name or model_dir.resolve().name
+        life.status(f"loading {model_dir}")
         server = DecodeServer(cfg, model_dir, name)
-        await server.start()
+        life.loop = server.loop
         app = build_app(server.loop, cfg, name, server.state_extra)
-        app.state.trnd.ready_fn = lambda: server.ready
+        st = app.state.trnd
+        st.ready_fn = lambda: server.ready
         http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s)
+
+        def waiting() -> str:
+            return "no prefill peer yet: " + "; ".join(f"{p.addr}: {p.refused or p.error or 'connecting'}"
+                                                       for p in server.peers)
+
+        async def main() -> int:
+            await server.start()
+            return await life.serve(
+                http, app, banner=f"trnd: decode for {name} (point {cfg.point}, tp={cfg.tp}) on "
+                                  f"http://{cfg.host}:{cfg.port}/v1, prefill peers {', '.join(cfg.prefill)}",
+                ready_fn=lambda: server.ready, waiting=waiting, warmup=lambda: warm_up_loop(server.loop),
+                in_flight=lambda: server.loop.num_requests, abort=lambda: abort_requests(st))
+
         try:
-            await serve_until_stopped(http, f"trnd: decode for {name} (point {cfg.point}, tp={cfg.tp}) on "
-                                            f"http://{cfg.host}:{cfg.port}/v1, prefill peers {', '.join(cfg.prefill)}")
+            return run_async(main)
         finally:
             server.loop.stop()
             server.engine.close()
-        return 0
-
-    return run_async(main)

@@ -296,27 +296,37 @@ class PrefillServer:
 
 
 def run(cfg: PrefillConfig) -> int:
+    """Load, warm up, serve the control plane and the admin HTTP port, READY; drain on SIGTERM."""
     from trnd.api.server import build_admin_app
     from trnd.config import ServeConfig
-    from trnd.roles.runtime import http_server, run_async, serve_until_stopped
+    from trnd.daemon.lifecycle import Lifecycle, warm_up
+    from trnd.roles.runtime import http_server, run_async
     from trnd.roles.serve import resolve_model
 
-    model_dir = resolve_model(cfg.model)
-    name = model_dir.resolve().name
-
-    async def main() -> int:
+    with Lifecycle("prefill", cfg) as life:
+        model_dir = resolve_model(cfg.model)
+        name = model_dir.resolve().name
+        life.status(f"loading {model_dir}")
         server = PrefillServer(cfg, model_dir, name)
-        ctrl = await server.serve()
-        admin = build_admin_app(server.loop, ServeConfig(api_key=cfg.api_key, api_key_file=cfg.api_key_file), name,
-                                server.state_extra)
-        http = http_server(admin, cfg.host, cfg.admin_port)
         try:
-            await serve_until_stopped(http, f"trnd: prefill for {name} (point {cfg.point}, tp={cfg.tp}) on "
-                                            f"{cfg.host}:{cfg.control_port}, admin http://{cfg.host}:{cfg.admin_port}")
+            life.status("warming up")
+            log.info("warm-up took %.2f s", warm_up(server.engine, max_tokens=1))
+            life.loop = server.loop
+            admin = build_admin_app(server.loop, ServeConfig(api_key=cfg.api_key, api_key_file=cfg.api_key_file),
+                                    name, server.state_extra)
+            http = http_server(admin, cfg.host, cfg.admin_port)
+
+            async def main() -> int:
+                ctrl = await server.serve()
+                try:
+                    return await life.serve(
+                        http, admin, banner=f"trnd: prefill for {name} (point {cfg.point}, tp={cfg.tp}) on "
+                                            f"{cfg.host}:{cfg.control_port}, admin http://{cfg.host}:{cfg.admin_port}",
+                        in_flight=lambda: len(server.handoffs), on_drain=ctrl.close)
+                finally:
+                    ctrl.close()
+
+            return run_async(main)
         finally:
-            ctrl.close()
             server.loop.stop()
             server.engine.close()
-        return 0
-
-    return run_async(main)

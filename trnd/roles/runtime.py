@@ -1,28 +1,32 @@
-"""Run a role's asyncio side: start it, serve its HTTP app with uvicorn on uvloop, stop it on SIGTERM."""
+"""Run a role's asyncio side: uvicorn on uvloop, with the signals left to the role's Lifecycle."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+
+import uvicorn
 
 log = logging.getLogger("trnd.runtime")
 
 
-def http_server(app, host: str, port: int, drain_timeout_s: float = 30.0):
-    import uvicorn
+class HTTPServer(uvicorn.Server):
+    """uvicorn without its own SIGTERM/SIGINT handlers: uvicorn would stop listening at once, while
+    trnd must keep answering (/ready 503, streams running) through the drain. The Lifecycle owns the
+    signals and ends serving by setting `should_exit` once the drain is done."""
 
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, loop="none", http="httptools", log_config=None,
-                                         access_log=False, lifespan="off",
-                                         timeout_graceful_shutdown=int(drain_timeout_s) or None))
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+def http_server(app, host: str, port: int, drain_timeout_s: float = 30.0) -> HTTPServer:
+    return HTTPServer(uvicorn.Config(app, host=host, port=port, loop="none", http="httptools", log_config=None,
+                                     access_log=False, lifespan="off",
+                                     timeout_graceful_shutdown=int(drain_timeout_s) or None))
 
 
 def run_async(main: Callable[[], Awaitable[int | None]]) -> int:
     import uvloop
 
     return uvloop.run(main()) or 0
-
-
-async def serve_until_stopped(server, banner: str) -> None:
-    print(banner, flush=True)
-    await server.serve()

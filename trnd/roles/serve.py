@@ -26,30 +26,35 @@ def resolve_model(model: str | None) -> Path:
 
 
 def run(cfg: ServeConfig) -> int:
-    import uvicorn
-
+    """Load, warm up, serve until SIGTERM, drain; the daemon lifecycle is in trnd/daemon/lifecycle.py."""
     from trnd.api.server import build_app
+    from trnd.daemon.lifecycle import Lifecycle, abort_requests, warm_up
     from trnd.engine.engine import Engine, EngineConfig
     from trnd.engine.loop import EngineLoop
+    from trnd.roles.runtime import http_server, run_async
 
-    model_dir = resolve_model(cfg.model)
-    engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, backend=cfg.backend, page_size=cfg.page_size,
-                                 num_pages=cfg.num_pages, kv_memory_gb=cfg.kv_memory_gb,
-                                 max_model_len=cfg.max_model_len, max_batch=cfg.max_batch,
-                                 token_budget=cfg.token_budget, chunk_size=cfg.chunk_size,
-                                 prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp))
-    loop = EngineLoop(engine, cfg.max_requests).start()
-    name = cfg.served_model_name or model_dir.resolve().name
-    app = build_app(loop, cfg, name)
-    log.info("engine ready: %s, %d KV pages of %d tokens, max context %d", name, engine.pool.num_pages,
-             cfg.page_size, engine.max_model_len)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http="httptools",
-                                           log_config=None, access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=int(cfg.drain_timeout_s) or None))
-    print(f"trnd: serving {name} on http://{cfg.host}:{cfg.port}/v1", flush=True)
-    try:
-        server.run()
-    finally:
-        loop.stop()
-        engine.close()
-    return 0
+    with Lifecycle("serve", cfg) as life:
+        model_dir = resolve_model(cfg.model)
+        life.status(f"loading {model_dir}")
+        engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, backend=cfg.backend,
+                                     page_size=cfg.page_size, num_pages=cfg.num_pages, kv_memory_gb=cfg.kv_memory_gb,
+                                     max_model_len=cfg.max_model_len, max_batch=cfg.max_batch,
+                                     token_budget=cfg.token_budget, chunk_size=cfg.chunk_size,
+                                     prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp))
+        try:
+            life.status("warming up")
+            log.info("warm-up took %.2f s", warm_up(engine))
+            loop = life.loop = EngineLoop(engine, cfg.max_requests).start()
+            name = cfg.served_model_name or model_dir.resolve().name
+            app = build_app(loop, cfg, name)
+            st = app.state.trnd
+            log.info("engine ready: %s, %d KV pages of %d tokens, max context %d", name, engine.pool.num_pages,
+                     cfg.page_size, engine.max_model_len)
+            http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s)
+            return run_async(lambda: life.serve(
+                http, app, banner=f"trnd: serving {name} on http://{cfg.host}:{cfg.port}/v1",
+                in_flight=lambda: loop.num_requests, abort=lambda: abort_requests(st)))
+        finally:
+            if life.loop is not None:
+                life.loop.stop()
+            engine.close()

@@ -1,0 +1,96 @@
+"""`trnd serve` (default): a local disaggregated deployment on one machine. Starts one `trnd prefill`
+and one `trnd decode` process on loopback (the API on the serve port), supervises them — a prefill
+that dies is restarted and re-handshaked; the decode process is the deployment's lifetime — and
+forwards SIGTERM/SIGINT/SIGHUP. `trnd serve --aggregated` runs everything in one process instead."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+from trnd.config import ServeConfig
+
+log = logging.getLogger("trnd.local")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_bytes(msgspec.toml.encode({k: v for k, v in data.items() if v is not None}))
+    return path
+
+
+def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> tuple[Path, Path, int, int]:
+    """prefill.toml and decode.toml for this deployment; returns (prefill, decode, control, admin port)."""
+    secret = workdir / "control_secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    control, admin = cfg.prefill_control_port or _free_port(), cfg.prefill_admin_port or _free_port()
+    role = {"model": model, "point": cfg.point, "dtype": cfg.dtype, "backend": cfg.backend, "tp": cfg.tp,
+            "kv_memory_gb": cfg.kv_memory_gb, "prefix_cache": cfg.prefix_cache, "threads": cfg.threads,
+            "secret_file": str(secret), "log_level": cfg.log_level}
+    prefill = _write(workdir / "prefill.toml", {**role, "host": "127.0.0.1", "control_port": control,
+                                                 "admin_port": admin})
+    dec = msgspec.structs.asdict(cfg)
+    for k in ("aggregated", "prefill_control_port", "prefill_admin_port", "page_size", "num_pages", "token_budget",
+              "chunk_size", "max_batch"):
+        dec.pop(k, None)  # the decode point fixes the shapes
+    dec.update(model=model, secret_file=str(secret), prefill=[f"127.0.0.1:{control}"])
+    decode = _write(workdir / "decode.toml", dec)
+    return prefill, decode, control, admin
+
+
+def run(cfg: ServeConfig, model: str) -> int:
+    with tempfile.TemporaryDirectory(prefix="trnd-serve-") as tmp:
+        pre_cfg, dec_cfg, control, admin = role_configs(cfg, model, Path(tmp))
+        cmd = [sys.executable, "-m", "trnd"]
+        procs = {"prefill": subprocess.Popen([*cmd, "prefill", "--config", str(pre_cfg)]),
+                 "decode": subprocess.Popen([*cmd, "decode", "--config", str(dec_cfg)])}
+        print(f"trnd: local deployment: prefill pid {procs['prefill'].pid} (admin http://127.0.0.1:{admin}), "
+              f"decode pid {procs['decode'].pid} (API http://{cfg.host}:{cfg.port}/v1)", flush=True)
+        stopping = False
+
+        def forward(signum, _frame):
+            nonlocal stopping
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                stopping = True
+            for p in procs.values():
+                if p.poll() is None:
+                    p.send_signal(signum)
+
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, forward)
+        backoff = 0.5
+        while True:
+            rc = procs["decode"].poll()
+            if rc is not None:
+                break
+            if procs["prefill"].poll() is not None and not stopping:
+                log.warning("prefill exited with %s; restarting it in %.1f s", procs["prefill"].returncode, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 10)
+                procs["prefill"] = subprocess.Popen([*cmd, "prefill", "--config", str(pre_cfg)])
+            time.sleep(0.2)
+        p = procs["prefill"]
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        return rc if not stopping else (0 if rc in (0, -signal.SIGTERM, -signal.SIGINT) else rc)

@@ -1,0 +1,1 @@
+"""`trnd top`: a Textual operator console over every node's /admin/state (see trnd/top/cli.py)."""
