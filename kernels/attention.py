@@ -54,7 +54,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, layer: int, meta: AttnMe
     """q [B, Hq, D] (one new token per sequence, its KV already written) -> [B, Hq, D]."""
     k, v = _gather(kv, layer, meta.decode_pages)  # [B, Hk, S, D]
     s = k.shape[-2]
-    mask = torch.arange(s)[None, :] < meta.decode_ctx[:, None]  # [B, S]
+    mask = torch.arange(s, device=k.device)[None, :] < meta.decode_ctx[:, None]  # [B, S]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out[:, :, 0, :]
@@ -73,8 +73,8 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     k_old, v_old = _gather(kv, layer, seq.pages[:n_prior_pages])  # [Hk, n*P, D]
     k = torch.cat((k_old[:, :prior], k_new.transpose(0, 1)), dim=1)
     v = torch.cat((v_old[:, :prior], v_new.transpose(0, 1)), dim=1)
-    q_pos = prior + torch.arange(seq.q_len)
-    mask = torch.arange(seq.ctx_len)[None, :] <= q_pos[:, None]
+    q_pos = prior + torch.arange(seq.q_len, device=q.device)
+    mask = torch.arange(seq.ctx_len, device=q.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(qh, k[None], v[None], attn_mask=mask[None, None],
                                          scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -140,13 +140,13 @@ def test_neuron_sdk_without_device(monkeypatch, tmp_path):
 # -- neuron: ops dispatch -------------------------------------------------------------------------------------
 
 def test_neuron_ops_swap_in_kernels_and_keep_twins():
-    from kernels.nki import decode_attention, rmsnorm, rotary
+    from kernels.nki import decode_attention, prefill_attention, rmsnorm, rotary
 
     ops = NeuronBackend().ops  # composing ops imports kernels.nki, which imports without the SDK
     assert ops.rms_norm is rmsnorm.rms_norm and ops.add_rms_norm is rmsnorm.add_rms_norm
     assert ops.apply_rotary is rotary.apply_rotary and ops.decode_attention is decode_attention.decode_attention
+    assert ops.prefill_attention is prefill_attention.prefill_attention
     assert ops.silu_and_mul is TORCH_OPS.silu_and_mul and ops.write_kv is TORCH_OPS.write_kv
-    assert ops.prefill_attention is TORCH_OPS.prefill_attention
 
 
 def test_neuron_ops_use_the_twin_outside_the_kernel_constraints():
@@ -226,7 +226,7 @@ def test_compare_generation_plumbing(tiny_qwen3):
 
 def test_check_cases_are_inside_the_kernel_constraints():
     """So on a trn2 host `trnd check neuron` runs the NKI kernels, not their fallbacks."""
-    from kernels.nki import decode_attention, rmsnorm, rotary
+    from kernels.nki import decode_attention, prefill_attention, rmsnorm, rotary
 
     for dtype in (torch.bfloat16, torch.float32):
         for name, op, args in check.kernel_cases(dtype):
@@ -234,7 +234,10 @@ def test_check_cases_are_inside_the_kernel_constraints():
                 inside = rmsnorm.supports(args[0].shape, args[-2].shape, dtype)
             elif op == "apply_rotary":
                 inside = rotary.supports(args[0].shape, args[1].shape, args[2].shape, dtype)
-            else:
+            elif op == "decode_attention":
                 q, kv, _, meta, _ = args
                 inside = decode_attention.supports(q.shape, kv.shape, meta.decode_pages.shape, dtype)
+            else:
+                q, _, _, kv, _, seq, _, _ = args
+                inside = prefill_attention.supports(q.shape, kv.shape, seq.pages.shape[0], dtype)
             assert inside, name

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kernels import attention, norm, rotary
-from kernels.attention import AttnMeta, PrefillSeq
 from kernels.mirrors import decode_attention as m_decode
 from kernels.mirrors import prefill_attention as m_prefill
 from kernels.mirrors import rmsnorm as m_norm
@@ -19,7 +18,7 @@ from kernels.nki import decode_attention as k_decode
 from kernels.nki import prefill_attention as k_prefill
 from kernels.nki import rmsnorm as k_norm
 from kernels.nki import rotary as k_rotary
-from trnd.backends.check import kernel_cases, make_decode_case
+from trnd.backends.check import kernel_cases, make_decode_case, make_prefill_case
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
@@ -167,21 +166,6 @@ def test_decode_mirror_on_the_device_check_cases(case):
 
 # -- paged prefill attention ------------------------------------------------------------------------------
 
-def make_prefill(prior, q_len, hq, hk, d, page_size, layers=2, seed=0):
-    """A pool of noise, a sequence whose first `prior` tokens are cached in shuffled pages, and a chunk of
-    q_len new tokens whose K/V are written into its pages first, as the model does before attention."""
-    g = torch.Generator().manual_seed(seed)
-    ctx = prior + q_len
-    n = -(-ctx // page_size)
-    kv = torch.randn(n + 3, layers, 2, hk, page_size, d, generator=g)
-    pages = torch.randperm(n + 3, generator=g)[:n]
-    q = torch.randn(q_len, hq, d, generator=g)
-    k_new, v_new = torch.randn(q_len, hk, d, generator=g), torch.randn(q_len, hk, d, generator=g)
-    tok = torch.arange(prior, ctx)
-    meta = AttnMeta(pages[tok // page_size], tok % page_size, 0, None, None, [])
-    return q, k_new, v_new, kv, meta, PrefillSeq(0, q_len, ctx, pages)
-
-
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("prior, q_len, page_size", [
     (0, 1, 16), (0, 37, 16), (5, 1, 16),  # no prefix; a one-token chunk after a prefix
@@ -191,9 +175,8 @@ def make_prefill(prior, q_len, hq, hk, d, page_size, layers=2, seed=0):
 ])
 def test_prefill_mirror_matches_twin(group, prior, q_len, page_size):
     hk, d = 2, 32
-    q, k_new, v_new, kv, meta, seq = make_prefill(prior, q_len, hk * group, hk, d, page_size, seed=prior + group)
+    q, k_new, v_new, kv, seq = make_prefill_case(prior, q_len, hk * group, hk, d, page_size, seed=prior + group)
     for layer in range(kv.shape[1]):
-        attention.write_kv(kv, layer, k_new, v_new, meta)
         twin = attention.prefill_attention(q, k_new, v_new, kv, layer, seq, page_size, d ** -0.5)
         n, layers, _, _, p, _ = kv.shape
         rows, first, blocks = k_prefill.prepare(seq.pages, seq.ctx_len, seq.q_len, layer, layers, p)
@@ -214,3 +197,14 @@ def test_prefill_supports():
     assert k_prefill.supports((512, 32, 128), (100, 4, 2, 8, 64, 128), 40, torch.bfloat16)
     assert not k_prefill.supports((512, 32, 256), (100, 4, 2, 8, 64, 256), 40, torch.bfloat16)
     assert not k_prefill.supports((512, 30, 128), (100, 4, 2, 8, 64, 128), 40, torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", [c for c in kernel_cases(torch.float32) if c[1] == "prefill_attention"],
+                         ids=lambda c: c[0])
+def test_prefill_mirror_on_the_device_check_cases(case):
+    _, _, (q, k_new, v_new, kv, layer, seq, page_size, scale) = case
+    n, layers, _, hk, p, d = kv.shape
+    rows, first, blocks = k_prefill.prepare(seq.pages, seq.ctx_len, seq.q_len, layer, layers, p)
+    mirror = m_prefill.prefill_attention(q.numpy(), kv.reshape(n * layers, 2, hk, p, d).numpy(), rows.numpy(),
+                                         first.numpy(), blocks.numpy(), scale)
+    close(mirror, attention.prefill_attention(q, k_new, v_new, kv, layer, seq, page_size, scale), torch.float32)

@@ -9,8 +9,8 @@ EX_CONFIG = 78  # sysexits.h: a bad configuration; systemd units do not restart 
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="run the OpenAI-compatible server in one process",
-                       description="Run trnd's OpenAI-compatible API and engine in one process. Flags override "
+    p = sub.add_parser("serve", help="run the OpenAI API: a local prefill + decode deployment (or --aggregated)",
+                       description="Run trnd on this machine: a prefill and a decode process on loopback with the OpenAI API on --port (or everything in one process with --aggregated). Flags override "
                                    "values from --config.")
     p.add_argument("--config", metavar="FILE", help="TOML file with ServeConfig fields (see configs/serve.toml)")
     p.add_argument("--model", metavar="DIR", help="Hugging Face model directory, or a preset name (tiny, small) "
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trnd", description="LLM serving daemon (OpenAI API, paged KV cache, "
                                                               "disaggregated prefill/decode)")
     sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("top", help="live operator console for a deployment (trnd top --help)", add_help=False)
+    sub.add_parser("check", help="device check on an accelerator host: kernels vs torch twins, generation vs CPU "
+                                 "(trnd check --help)", add_help=False)
     _serve_parser(sub)
     _disagg_parsers(sub)
     _model_parser(sub)
@@ -105,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:  # the operator's device check: its own flags (trnd check --help)
+        from trnd.backends.check import main as check_main
+
+        return check_main(argv[1:])
+    if argv[:1] == ["top"]:  # the operator console: its own flags (trnd top --help)
+        from trnd.top.cli import main as top_main
+
+        return top_main(argv[1:])
     args = build_parser().parse_args(argv)
     from trnd.config import ConfigError
     from trnd.roles.common import StartupError

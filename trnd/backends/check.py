@@ -1,7 +1,8 @@
 """`trnd check neuron|cuda`: the one command an operator runs on a device host.
 
 1. Each op of the backend against its torch twin on the CPU, on shapes inside the kernels' constraints
-   (so on Neuron the NKI kernels run, not the fallbacks): ragged page tables, GQA, several KV blocks.
+   (so on Neuron the NKI kernels run, not the fallbacks): ragged page tables, GQA, several KV blocks,
+   prefill chunks after a cached prefix.
 2. A short greedy generation through `trnd.llm.LLM(model, backend=...)` against the same on the CPU.
 Prints one line per comparison and PASS or FAIL. Exit status: 0 all matched, 1 a mismatch or an error,
 69 (EX_UNAVAILABLE) the backend cannot run here (the message says what to install).
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import TORCH_OPS
-from kernels.attention import AttnMeta
+from kernels.attention import AttnMeta, PrefillSeq, write_kv
 from trnd.backends import NAMES, Backend, BackendUnavailable, get_backend
 
 EX_UNAVAILABLE = 69
@@ -57,9 +58,33 @@ def make_decode_case(ctxs, hq, hk, d, page_size, layers=2, dtype=torch.float32, 
     return q, kv, meta
 
 
-def _to(meta: AttnMeta, device: str) -> AttnMeta:
-    return AttnMeta(meta.page_ids.to(device), meta.offsets.to(device), meta.num_decode,
-                    meta.decode_pages.to(device), meta.decode_ctx.to(device), meta.prefill)
+def make_prefill_case(prior, q_len, hq, hk, d, page_size, layers=2, dtype=torch.float32, seed=0):
+    """A pool of noise and a sequence whose first `prior` tokens are cached in shuffled pages, plus a chunk of
+    q_len new tokens whose K/V are already written into its pages (in every layer), as the model writes them
+    before attention -> (q, k_new, v_new, kv, PrefillSeq)."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = prior + q_len
+    n = -(-ctx // page_size)
+    kv = torch.randn(n + 3, layers, 2, hk, page_size, d, generator=g).to(dtype)
+    pages = torch.randperm(n + 3, generator=g)[:n]
+    q, k_new, v_new = (torch.randn(q_len, h, d, generator=g).to(dtype) for h in (hq, hk, hk))
+    tok = torch.arange(prior, ctx)
+    meta = AttnMeta(pages[tok // page_size], tok % page_size, 0, None, None, [])
+    for layer in range(layers):
+        write_kv(kv, layer, k_new, v_new, meta)
+    return q, k_new, v_new, kv, PrefillSeq(0, q_len, ctx, pages)
+
+
+def _to(x, device: str):
+    """A case argument on the device: tensors, and the tensors inside AttnMeta / PrefillSeq."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, AttnMeta):
+        return AttnMeta(x.page_ids.to(device), x.offsets.to(device), x.num_decode, x.decode_pages.to(device),
+                        x.decode_ctx.to(device), x.prefill)
+    if isinstance(x, PrefillSeq):
+        return PrefillSeq(x.q_start, x.q_len, x.ctx_len, x.pages.to(device))
+    return x
 
 
 def _compare(name: str, got, want, dtype) -> Result:
@@ -99,6 +124,12 @@ def kernel_cases(dtype):
         q, kv, meta = make_decode_case(ctxs, hk * group, hk, d, page_size, dtype=dtype, seed=page_size + group)
         cases.append((f"decode_attention G={group} P={page_size} ctx={ctxs}", "decode_attention",
                       (q, kv, 1, meta, d ** -0.5)))
+    for group, page_size, prior, q_len in ((1, 16, 0, 37), (4, 64, 100, 200), (2, 128, 250, 130)):
+        hk, d = 2, 128
+        q, k_new, v_new, kv, seq = make_prefill_case(prior, q_len, hk * group, hk, d, page_size, dtype=dtype,
+                                                     seed=prior + group)
+        cases.append((f"prefill_attention G={group} P={page_size} prefix={prior} chunk={q_len}",
+                      "prefill_attention", (q, k_new, v_new, kv, 1, seq, page_size, d ** -0.5)))
     return cases
 
 
@@ -107,8 +138,7 @@ def compare_kernels(backend: Backend, dtypes=(torch.bfloat16, torch.float32)) ->
     for dtype in dtypes:
         for name, op, args in kernel_cases(dtype):
             want = getattr(TORCH_OPS, op)(*args)
-            dev_args = tuple(_to(a, backend.device) if isinstance(a, AttnMeta)
-                             else a.to(backend.device) if isinstance(a, torch.Tensor) else a for a in args)
+            dev_args = tuple(_to(a, backend.device) for a in args)
             try:
                 got = getattr(backend.ops, op)(*dev_args)
             except Exception as e:  # report and go on: one broken kernel should not hide the others

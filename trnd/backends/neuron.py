@@ -70,7 +70,8 @@ class NeuronBackend(Backend):
     def ops(self) -> Ops:
         """The torch twins, with the NKI kernels swapped in; each kernel's entry falls back to its twin
         for shapes outside the kernel's supports()."""
-        from kernels.nki import decode_attention, rmsnorm, rotary
+        from kernels.nki import decode_attention, prefill_attention, rmsnorm, rotary
 
         return replace(TORCH_OPS, rms_norm=rmsnorm.rms_norm, add_rms_norm=rmsnorm.add_rms_norm,
-                       apply_rotary=rotary.apply_rotary, decode_attention=decode_attention.decode_attention)
+                       apply_rotary=rotary.apply_rotary, decode_attention=decode_attention.decode_attention,
+                       prefill_attention=prefill_attention.prefill_attention)

@@ -222,7 +222,7 @@ class Lifecycle:
             self._auth = _auth_middleware(app)
         self.phase = "starting"
         self.status("starting HTTP")
-        task = asyncio.create_task(http.serve(), name="trnd-http")
+        task = asyncio.create_task(_serve_http(http), name="trnd-http")
         while not http.started:
             if task.done():
                 return self._http_died(task)
@@ -393,6 +393,13 @@ class Lifecycle:
         else:
             log.info("reload: nothing to apply")
         return live, ignored
+
+
+async def _serve_http(http) -> None:
+    try:
+        await http.serve()
+    except SystemExit as e:  # uvicorn's way of saying it could not bind (it logged why)
+        raise OSError(f"uvicorn could not start (exit {e.code})") from None
 
 
 def _show(field: str, value) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels import get_ops
+from trnd.backends import get_backend
 from trnd.model.config import ModelConfig, ModelError
 from trnd.model.llama import CausalLM
 from trnd.parallel import TP1, TPGroup
@@ -44,7 +44,7 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
 def load_model(model_dir: str | Path, dtype: str | None = None, tp: TPGroup = TP1, backend: str = "cpu"):
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir, dtype)
-    model = CausalLM(cfg, tp, get_ops(backend))
+    model = CausalLM(cfg, tp, get_backend(backend).ops)
     files = _weight_files(model_dir)
     handles = {}
     try:

@@ -79,7 +79,8 @@ class PrefillServer:
         self.peers: dict[int, Peer] = {}
         self._ids = itertools.count(1)
         self.aio: asyncio.AbstractEventLoop | None = None
-        self.stats = {"requests": 0, "xfers": 0, "bytes": 0, "failed": 0, "aborted": 0, "refused": 0}
+        self.stats = {"requests": 0, "xfers": 0, "bytes": 0, "failed": 0, "aborted": 0, "refused": 0,
+                      "unauthenticated": 0}
 
     # -- control plane (asyncio) --------------------------------------------------------------------
 
@@ -92,8 +93,10 @@ class PrefillServer:
         addr = writer.get_extra_info("peername")
         chan = P.Channel(reader, writer, self.secret, name=f"decode@{addr}")
         try:
-            hello = await asyncio.wait_for(chan.recv(), 10)
-        except (P.ChannelClosed, asyncio.TimeoutError):
+            hello = await asyncio.wait_for(chan.recv(strict=True), 10)
+        except (P.ChannelClosed, asyncio.TimeoutError) as e:
+            self.stats["unauthenticated"] += 1
+            log.warning("connection from %s dropped before a valid Hello: %s", addr, e)
             chan.close()
             return
         if not isinstance(hello, P.Hello):

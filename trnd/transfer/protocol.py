@@ -172,9 +172,12 @@ class Channel:
             self.writer.write(len(data).to_bytes(4, "big") + data)
             await self.writer.drain()
 
-    async def recv(self) -> Message:
-        """The next valid message; invalid frames are logged, counted and skipped."""
+    async def recv(self, strict: bool = False) -> Message:
+        """The next valid message; invalid frames are logged, counted and skipped (strict: the
+        connection is dropped instead, as for a handshake that does not authenticate)."""
         while True:
+            if strict and self.rejected:
+                raise ChannelClosed(f"{self.name}: handshake did not authenticate")
             try:
                 n = int.from_bytes(await self.reader.readexactly(4), "big")
                 if n > MAX_FRAME:
