@@ -35,6 +35,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
                    help="disable the radix prefix cache")
     p.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
+    p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
@@ -50,6 +51,7 @@ def _role_flags(p) -> None:
     p.add_argument("--secret-file", help="file holding the control-plane shared secret")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False)
+    p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 

@@ -47,23 +47,34 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     threads: Positive | None = None
     log_level: str = "info"
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+    host_cache_gb: Annotated[float, Meta(ge=0)] = 0.0  # L2: evicted prefix pages kept in host DRAM; 0 = off
+    host_policy: str = "write-back"  # write-back (on eviction) or write-through (on finish)
+    node_host_memory_gb: Annotated[float, Meta(gt=0)] | None = None  # budget shared by all trnd processes
     aggregated: bool = False  # serve only: one process instead of a local prefill + decode deployment
     point: str = "8k"  # decode point of the local deployment's roles
     prefill_control_port: Port | None = None  # local deployment: fixed ports for the prefill role
     prefill_admin_port: Port | None = None
 
     def __post_init__(self):
-        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise msgspec.ValidationError(f"log_level = {self.log_level!r} is not one of debug, info, warning, "
-                                          "error - at `$.log_level`")
-        if self.dtype not in (None, "bfloat16", "float32", "float16"):
-            raise msgspec.ValidationError(f"dtype = {self.dtype!r} is not one of bfloat16, float32, float16 "
-                                          "- at `$.dtype`")
+        _check_common(self)
 
     def resolved_api_key(self) -> str | None:
         if self.api_key_file:
             return Path(os.path.expandvars(self.api_key_file)).read_text().strip()
         return self.api_key
+
+
+def _check_common(cfg) -> None:
+    """Choices msgspec's type system does not express, named like msgspec names its errors."""
+    choices = {"log_level": ("debug", "info", "warning", "error"), "dtype": (None, "bfloat16", "float32", "float16"),
+               "host_policy": ("write-back", "write-through"), "backend": ("cpu", "cuda", "neuron")}
+    for field, allowed in choices.items():
+        value = getattr(cfg, field, None)
+        if field == "log_level" and isinstance(value, str):
+            value = value.lower()
+        if value not in allowed:
+            shown = ", ".join(str(a) for a in allowed if a is not None)
+            raise msgspec.ValidationError(f"{field} = {value!r} is not one of {shown} - at `$.{field}`")
 
 
 def load_config(cls: type[msgspec.Struct], path: str | Path | None, overrides: dict | None = None):
@@ -99,6 +110,12 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     secret: str | None = None  # control-plane shared secret (prefer secret_file)
     secret_file: str | None = None  # e.g. ${CREDENTIALS_DIRECTORY}/control_secret under systemd
     log_level: str = "info"
+    host_cache_gb: Annotated[float, Meta(ge=0)] = 0.0
+    host_policy: str = "write-back"
+    node_host_memory_gb: Annotated[float, Meta(gt=0)] | None = None
+
+    def __post_init__(self):
+        _check_common(self)
 
     def resolved_secret(self) -> bytes:
         if self.secret_file:

@@ -11,14 +11,17 @@ from pathlib import Path
 
 import torch
 
+from trnd.cache.budget import NodeBudget
+from trnd.cache.host import HostTier
 from trnd.cache.pages import PagePool
 from trnd.cache.radix import RadixCache, check_pool_integrity
+from trnd.cache.tiers import Tiers
 from trnd.engine.output import OutputStream, StepOutput
 from trnd.engine.request import Req, SamplingParams, Status
 from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes, prepare
 from trnd.engine.sampler import SampleOut, Sampler
 from trnd.engine.scheduler import Batch, Scheduler, SchedulerConfig
-from trnd.model.config import ModelConfig
+from trnd.model.config import ModelConfig, fingerprint
 from trnd.model.loader import load_model
 from trnd.model.tokenizer import Tokenizer
 from trnd.parallel import TPGroup
@@ -41,6 +44,9 @@ class EngineConfig:
     threads: int | None = None
     tp: int = 1  # tensor-parallel ranks (processes) for this engine
     remote_prefill: bool = False  # decode role: new prompts' KV comes from a prefill server
+    host_cache_gb: float = 0.0  # L2 host-DRAM tier for evicted prefix pages; 0: off
+    host_policy: str = "write-back"  # or write-through
+    node_host_memory_gb: float | None = None  # node-wide budget shared with other trnd processes; None: no check
 
 
 @dataclass
@@ -50,6 +56,7 @@ class EngineStats:
     generation_tokens: int = 0
     prefill_tokens: int = 0  # tokens actually computed for prompts (excludes prefix-cache hits)
     cached_tokens: int = 0
+    loaded_tokens: int = 0  # of cached_tokens: loaded from a lower tier instead of recomputed
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0
@@ -98,6 +105,8 @@ class Engine:
         # Extra page owners for integrity checks (pages fenced or in flight, held by a role).
         self.extra_owners: Callable[[], list[list[int]]] = lambda: []
         self.runner = ModelRunner(self.model, mc, self.pools[0])
+        self.tiers = self._make_tiers()
+        self.scheduler.tiers = self.tiers
         if self.workers:
             self.workers.ready()
         self.sampler = Sampler(self.tokenizer.eos_token_ids, seed=cfg.seed)
@@ -107,9 +116,19 @@ class Engine:
 
     @property
     def namespace(self) -> str:
-        """Prefix-cache key space: pages are shared only between identical models and layouts."""
-        mc = self.model_config
-        return f"{Path(self.cfg.model).resolve().name}:{mc.arch}:{mc.dtype}:L{mc.num_layers}:kv{mc.num_kv_heads}"
+        """Page-hash key space: the same model (config + tokenizer) and KV dtype on any node, any role."""
+        return f"{fingerprint(Path(self.cfg.model))}:{str(self.model_config.dtype).removeprefix('torch.')}"
+
+    def _make_tiers(self) -> Tiers | None:
+        cfg = self.cfg
+        if not cfg.prefix_cache or cfg.host_cache_gb <= 0:
+            return None
+        row = sum(p[0].numel() * p.element_size() for p in self.pools)
+        slots = int(cfg.host_cache_gb * 2**30) // row
+        if cfg.node_host_memory_gb is not None:
+            self.budget = NodeBudget(int(cfg.node_host_memory_gb * 2**30))
+            self.budget.reserve(slots * row, "host KV tier (host_cache_gb)")
+        return Tiers(self.radix, cfg.page_size, self.namespace, HostTier(self.pools, slots), cfg.host_policy)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -180,6 +199,7 @@ class Engine:
         for req, n in batch.prefill:
             if req.num_computed == req.num_cached and req.num_output == 0:
                 self.stats.cached_tokens += req.num_cached
+                self.stats.loaded_tokens += req.num_loaded
             req.num_computed += n
             self.stats.prefill_tokens += n
         samples = self.sampler.sample(logits, sampled) if sampled else []
@@ -264,6 +284,7 @@ class Engine:
                       "cached": cached_only, "page_size": self.cfg.page_size,
                       "page_bytes": self.runner.page_bytes},
             "radix": self.radix.stats(),
+            "tiers": self.tiers.stats() if self.tiers is not None else None,
             "stats": dataclasses.asdict(st),
             "layout": {"tp": self.tp.size, "kv_heads_per_rank": self.runner.num_kv_heads,
                        "ranks": self.workers.health() if self.workers else [{"rank": 0, "alive": True}]},

@@ -62,6 +62,7 @@ class Req:
         self.num_cached = 0  # prefix-cache hit at the latest admission
         self.num_computed = 0
         self.num_locked_pages = 0  # leading pages borrowed from the radix cache (locked there)
+        self.num_loaded = 0  # of num_cached: tokens loaded from a lower tier (host L2, remote L3)
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.arrival = time.monotonic()

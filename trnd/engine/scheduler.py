@@ -52,6 +52,7 @@ class Scheduler:
         # Preempted requests (which already have output) are recomputed locally as usual.
         self.remote_prefill = remote_prefill
         self.transferring: dict[str, Req] = {}
+        self.tiers = None  # cache/tiers.py: lower tiers asked for the pages after a device hit
         self._locks: dict[str, object] = {}  # rid -> radix node locked for its borrowed prefix
 
     # -- queue operations ---------------------------------------------------------------------------
@@ -166,12 +167,29 @@ class Scheduler:
                 req.pages = list(m.pages)
                 req.num_locked_pages = len(m.pages)
             req.num_cached = req.num_computed = m.num_tokens
+            if self.tiers is not None:
+                self._load_lower_tiers(req)
         need = self._pages_needed(req, req.num_uncomputed if whole else self._chunk(req, budget))
         if self._reserve(need):
             req.pages += self.pool.alloc(need)
             return True
         self._release(req)  # give back what the match borrowed; try again next step
         return False
+
+    def _load_lower_tiers(self, req: Req) -> None:
+        """Pages after the device hit that the host tier holds: load them instead of recomputing."""
+        ps = self.cfg.page_size
+        hashes = self.tiers.hashes(req.all_ids[:-1])[len(req.pages):]
+        k = self.tiers.host_probe(hashes)
+        if not k or not self._reserve(k):
+            return
+        pages = self.pool.alloc(k)
+        n = self.tiers.host_load(hashes[:k], pages)  # eviction in _reserve may have pushed some out
+        if n < k:
+            self.pool.unref(pages[n:])
+        req.pages += pages[:n]
+        req.num_cached = req.num_computed = req.num_computed + n * ps
+        req.num_loaded = n * ps
 
     def preempt(self, req: Req) -> None:
         """Recompute later: release the KV (to the cache, where it may still be found) and requeue first."""
@@ -185,7 +203,10 @@ class Scheduler:
         if req.pages and self.cfg.prefix_cache:
             full = req.num_computed // self.cfg.page_size
             if full:
-                self.radix.insert(req.all_ids[: full * self.cfg.page_size], req.pages[:full])
+                tokens = req.all_ids[: full * self.cfg.page_size]
+                self.radix.insert(tokens, req.pages[:full])
+                if self.tiers is not None:
+                    self.tiers.on_release(tokens, req.pages[:full])
         node = self._locks.pop(req.rid, None)
         if node is not None:
             self.radix.unlock(node)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,3 +102,12 @@ class ModelConfig:
             dtype=_DTYPES[dtype_name],
             raw=raw,
         )
+
+
+def fingerprint(model_dir: Path) -> str:
+    """Same config and same tokenizer: KV computed by one process means the same to another, on any node."""
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json"):
+        f = Path(model_dir) / name
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    return h.hexdigest()[:16]

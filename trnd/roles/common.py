@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
 from trnd.engine.engine import Engine, EngineConfig
-from trnd.model.config import ModelConfig
+from trnd.model.config import ModelConfig, fingerprint
 from trnd.points import DecodePoint, get_point
 from trnd.transfer.plan import Layout
 from trnd.transfer.protocol import Manifest
@@ -19,17 +18,10 @@ class StartupError(RuntimeError):
     """A role that must not start (pool too small for the point, bad layout): one line, exit EX_CONFIG."""
 
 
-def fingerprint(model_dir: Path) -> str:
-    """Same config and same tokenizer: the KV one role computes means the same thing to the other."""
-    h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json"):
-        f = model_dir / name
-        h.update(f.read_bytes() if f.is_file() else b"-")
-    return h.hexdigest()[:16]
-
-
 def build_engine(model_dir: Path, point_name: str, *, dtype, backend, tp, kv_memory_gb, prefix_cache, threads,
-                 remote_prefill: bool = False, max_model_len: int | None = None) -> tuple[Engine, DecodePoint]:
+                 remote_prefill: bool = False, max_model_len: int | None = None, host_cache_gb: float = 0.0,
+                 host_policy: str = "write-back", node_host_memory_gb: float | None = None
+                 ) -> tuple[Engine, DecodePoint]:
     point = get_point(point_name)
     mc = ModelConfig.from_dir(model_dir, dtype)
     from trnd.engine.runner import kv_page_bytes
@@ -48,7 +40,8 @@ def build_engine(model_dir: Path, point_name: str, *, dtype, backend, tp, kv_mem
                                  num_pages=num_pages, max_model_len=max_model_len or point.max_context,
                                  max_batch=point.max_batch, token_budget=point.prefill_chunk,
                                  chunk_size=point.prefill_chunk, prefix_cache=prefix_cache, threads=threads, tp=tp,
-                                 remote_prefill=remote_prefill))
+                                 remote_prefill=remote_prefill, host_cache_gb=host_cache_gb,
+                                 host_policy=host_policy, node_host_memory_gb=node_host_memory_gb))
     return engine, point
 
 

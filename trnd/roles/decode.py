@@ -60,7 +60,9 @@ class DecodeServer:
         self.secret = cfg.resolved_secret()
         self.engine, self.point = build_engine(model_dir, cfg.point, dtype=cfg.dtype, backend=cfg.backend, tp=cfg.tp,
                                                kv_memory_gb=cfg.kv_memory_gb, prefix_cache=cfg.prefix_cache,
-                                               threads=cfg.threads, remote_prefill=True,
+                                               threads=cfg.threads, host_cache_gb=cfg.host_cache_gb,
+                                               host_policy=cfg.host_policy,
+                                               node_host_memory_gb=cfg.node_host_memory_gb, remote_prefill=True,
                                                max_model_len=cfg.max_model_len)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "decode", model_name)

@@ -43,7 +43,8 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> tuple[Path, Pat
     control, admin = cfg.prefill_control_port or _free_port(), cfg.prefill_admin_port or _free_port()
     role = {"model": model, "point": cfg.point, "dtype": cfg.dtype, "backend": cfg.backend, "tp": cfg.tp,
             "kv_memory_gb": cfg.kv_memory_gb, "prefix_cache": cfg.prefix_cache, "threads": cfg.threads,
-            "secret_file": str(secret), "log_level": cfg.log_level}
+            "secret_file": str(secret), "log_level": cfg.log_level, "host_cache_gb": cfg.host_cache_gb,
+            "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb}
     prefill = _write(workdir / "prefill.toml", {**role, "host": "127.0.0.1", "control_port": control,
                                                  "admin_port": admin})
     dec = msgspec.structs.asdict(cfg)

@@ -67,7 +67,9 @@ class PrefillServer:
         self.secret = cfg.resolved_secret()
         self.engine, self.point = build_engine(model_dir, cfg.point, dtype=cfg.dtype, backend=cfg.backend, tp=cfg.tp,
                                                kv_memory_gb=cfg.kv_memory_gb, prefix_cache=cfg.prefix_cache,
-                                               threads=cfg.threads)
+                                               threads=cfg.threads, host_cache_gb=cfg.host_cache_gb,
+                                               host_policy=cfg.host_policy,
+                                               node_host_memory_gb=cfg.node_host_memory_gb)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "prefill", model_name)
         self.layout = layout_of(self.engine)

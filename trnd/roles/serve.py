@@ -40,7 +40,9 @@ def run(cfg: ServeConfig) -> int:
                                      page_size=cfg.page_size, num_pages=cfg.num_pages, kv_memory_gb=cfg.kv_memory_gb,
                                      max_model_len=cfg.max_model_len, max_batch=cfg.max_batch,
                                      token_budget=cfg.token_budget, chunk_size=cfg.chunk_size,
-                                     prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp))
+                                     prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp,
+                                 host_cache_gb=cfg.host_cache_gb, host_policy=cfg.host_policy,
+                                 node_host_memory_gb=cfg.node_host_memory_gb))
         try:
             life.status("warming up")
             log.info("warm-up took %.2f s", warm_up(engine))

@@ -1,0 +1,83 @@
+"""L2 host tier: pages evicted from a small device pool come back from host DRAM on a later hit,
+token-identical to a big pool, with fewer prompt tokens computed. And the node-wide host budget."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from trnd.cache.budget import BudgetExceeded, NodeBudget
+from trnd.engine.request import SamplingParams
+from trnd.llm import LLM
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def workload():
+    """Four 'sessions' with 160-token histories, revisited after the others: an agentic replay."""
+    g = torch.Generator().manual_seed(0)
+    hist = [torch.randint(5, 1000, (160,), generator=g).tolist() for _ in range(4)]
+    turns = [[h + [7, 7, 7]] for h in hist] + [[h + [9, 9]] for h in hist]
+    return [t[0] for t in turns]
+
+
+def run(model, prompts, **kw):
+    llm = LLM(str(model), page_size=8, max_batch=1, **kw)
+    outs = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]  # one at a time: a replay
+    llm.engine.check_integrity()
+    return outs, llm.engine
+
+
+@pytest.mark.parametrize("policy", ["write-back", "write-through"])
+def test_evicted_pages_come_back_from_host(tiny_qwen3, policy):
+    prompts = workload()
+    big, _ = run(tiny_qwen3, prompts, num_pages=512)
+    small, e0 = run(tiny_qwen3, prompts, num_pages=24)  # holds one history (21 pages), not four
+    tiered, e1 = run(tiny_qwen3, prompts, num_pages=24, host_cache_gb=0.01, host_policy=policy)
+    assert small == big and tiered == big
+    assert e1.stats.loaded_tokens >= 4 * 160 - 4 * 8  # each revisit found its history in L2
+    assert e1.stats.prefill_tokens < e0.stats.prefill_tokens - 500
+    host = e1.state()["tiers"]["host"]
+    assert host["loaded"] > 0 and host["stored"] > 0 and host["hits"] > 0
+
+
+def test_host_tier_stays_within_its_slots(tiny_qwen3):
+    prompts = workload()
+    _, e = run(tiny_qwen3, prompts, num_pages=24, host_cache_gb=0.00002)  # a few slots only
+    host = e.tiers.host
+    assert host.num_slots < 10 and host.num_used <= host.num_slots
+    assert host.evicted > 0
+
+
+def _reserve(path, total, nbytes, q):
+    try:
+        NodeBudget(total, path).reserve(nbytes)
+        q.put("ok")
+        time.sleep(3)  # hold it while the other process tries
+    except BudgetExceeded as e:
+        q.put(str(e))
+
+
+def test_node_budget_is_shared_between_processes(tmp_path):
+    path = tmp_path / "budget.json"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    a = ctx.Process(target=_reserve, args=(path, 1000, 700, q))
+    a.start()
+    assert q.get(timeout=20) == "ok"
+    b = ctx.Process(target=_reserve, args=(path, 1000, 400, q))
+    b.start()
+    msg = q.get(timeout=20)
+    assert "does not fit the node host-memory budget" in msg and "700" not in msg.split("(")[0]
+    b.join()
+    a.join()
+    # a dead holder's share is reclaimed
+    NodeBudget(1000, path).reserve(900)
+
+
+def test_engine_refuses_a_host_tier_over_the_node_budget(tiny_qwen3):
+    with pytest.raises(BudgetExceeded, match="node host-memory budget"):
+        LLM(str(tiny_qwen3), page_size=8, num_pages=64, host_cache_gb=0.5, node_host_memory_gb=0.1)

