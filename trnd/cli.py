@@ -62,6 +62,8 @@ def _disagg_parsers(sub) -> None:
     _role_flags(p)
     p.add_argument("--control-port", type=int, help="control-plane TCP port (default 8100)")
     p.add_argument("--admin-port", type=int, help="HTTP port for /health, /ready, /metrics, /admin (default 8101)")
+    p.add_argument("--no-pipeline", dest="pipeline", action="store_const", const=False,
+                   help="write a prompt's KV only after its last chunk (to measure what pipelining buys)")
     d = sub.add_parser("decode", help="run a decode server (OpenAI API; prompts prefilled remotely)",
                        description="Run a decode server: the OpenAI API front that owns each request, with prompt KV "
                                    "computed by prefill servers (--prefill host:port, repeatable).")
@@ -93,6 +95,14 @@ def _bench_parser(sub) -> None:
     e.add_argument("--batches", default="1,8,32")
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--skip-hf", action="store_true", help="measure trnd only")
+    d = bsub.add_parser("disagg", help="NIXL throughput vs memcpy; TTFT disaggregated vs aggregated, pipelining "
+                                       "on and off")
+    d.add_argument("--model", default="small", help="model dir or preset (default small)")
+    d.add_argument("--point", default="128k", help="decode point for the roles (default 128k)")
+    d.add_argument("--lengths", default="2048,8192,16384", help="prompt lengths for TTFT")
+    d.add_argument("--reps", type=int, default=3)
+    d.add_argument("--kv-memory-gb", type=float, default=2.0)
+    d.add_argument("--threads", type=int, default=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trnd: wrote {args.preset} {args.arch} model (seed {args.seed}) to {path}")
             return 0
         if args.cmd == "bench":
-            from trnd.bench import engine as bench_engine
+            import importlib
 
-            return bench_engine.main(args)
+            return importlib.import_module(f"trnd.bench.{args.bench_cmd.replace('-', '_')}").main(args)
     except ConfigError as e:
         print(f"trnd: config error: {e}", file=sys.stderr)
         return EX_CONFIG

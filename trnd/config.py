@@ -131,6 +131,7 @@ class PrefillConfig(RoleConfig, kw_only=True):
     api_key_file: str | None = None
     control_port: Port = 8100  # decode servers connect here (msgspec + HMAC frames)
     admin_port: Port = 8101  # /health, /ready, /metrics, /admin/state
+    pipeline: bool = True  # write each chunk's pages while the next computes; False: all at the end (benchmarks)
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0  # SIGTERM: in-flight prefills may finish this long
 
 
@@ -145,3 +146,33 @@ class DecodeConfig(ServeConfig, kw_only=True):
     prefill_retries: Annotated[int, Meta(ge=0)] = 1
 
     resolved_secret = RoleConfig.resolved_secret
+
+
+class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`trnd store`: the L3 remote KV store, one large DRAM region carved into canonical page slots.
+
+    The slot size is not configured: the first client's handshake fixes it (its canonical page bytes)
+    until the store restarts; a later client whose canonical page has another size is refused with a
+    message naming page_bytes. Several namespaces (models, dtypes) share the slots when their pages
+    have that size; their keys never mix."""
+    host: str = "127.0.0.1"
+    control_port: Port = 8300  # clients connect here (msgspec + HMAC frames, like the roles)
+    admin_port: Port = 8301  # /health, /ready, /admin/state
+    memory_gb: Annotated[float, Meta(gt=0)] = 4.0  # the DRAM region registered with NIXL
+    lease_s: Annotated[float, Meta(gt=0)] = 5.0  # a reader's lease pins its slots this long at most
+    reserve_s: Annotated[float, Meta(gt=0)] = 30.0  # an uncommitted reservation is dropped after this
+    max_clients: Positive = 256
+    secret: str | None = None  # control-plane shared secret (prefer secret_file)
+    secret_file: str | None = None
+    api_key: str | None = None  # for /admin/* on the admin port
+    api_key_file: str | None = None
+    log_level: str = "info"
+    drain_timeout_s: Annotated[float, Meta(ge=0)] = 2.0
+
+    def __post_init__(self):
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise msgspec.ValidationError(f"log_level = {self.log_level!r} is not one of debug, info, warning, "
+                                          "error - at `$.log_level`")
+
+    resolved_secret = RoleConfig.resolved_secret
+    resolved_api_key = ServeConfig.resolved_api_key

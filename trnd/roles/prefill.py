@@ -187,6 +187,8 @@ class PrefillServer:
             if h is None or h.aborted:
                 continue
             end = req.num_computed + n
+            if end < req.num_prompt and not self.cfg.pipeline:
+                continue
             upto = -(-end // ps) if end >= req.num_prompt else end // ps
             if upto <= h.sent_pages:
                 continue

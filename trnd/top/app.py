@@ -142,6 +142,7 @@ class RequestScreen(ModalScreen[None]):
 
 class TopApp(App):
     TITLE = "trnd top"
+    AUTO_FOCUS = "#nodes-table"
     CSS = """
     #filter { dock: bottom; display: none; height: 3; }
     #filter.-shown { display: block; }
@@ -187,7 +188,7 @@ class TopApp(App):
                 yield TransfersPanel(id="transfers-panel")
         yield Input(placeholder="filter: node, request id, session, state (enter keeps it, esc clears)",
                     id="filter")
-        yield Footer(compact=True)
+        yield Footer(compact=True, show_command_palette=False)
 
     def on_mount(self) -> None:
         self.update_subtitle()

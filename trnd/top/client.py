@@ -132,14 +132,18 @@ class Client:
         await self.http.aclose()
 
 
-def _connect_reason(e: httpx.ConnectError) -> str:
-    text = str(e).lower()
-    if "refused" in text:
-        return "connection refused"
-    if "no such file" in text:
-        return "no such socket"
-    if "name or service" in text or "nodename" in text:
-        return "unknown host"
+def _connect_reason(e: BaseException) -> str:
+    seen = e
+    while seen is not None:  # httpx wraps the OS error (async: anyio's "All connection attempts failed")
+        if isinstance(seen, ConnectionRefusedError) or "refused" in str(seen).lower():
+            return "connection refused"
+        if isinstance(seen, FileNotFoundError):
+            return "no such socket"
+        if isinstance(seen, PermissionError):
+            return "permission denied"
+        if "name or service" in str(seen).lower() or "nodename" in str(seen).lower():
+            return "unknown host"
+        seen = seen.__cause__ or seen.__context__
     return "cannot connect"
 
 

@@ -199,7 +199,8 @@ class NodeTrack:
         if p is None:
             return ""
         if p.state is None:
-            since = f" for {fmt_duration(now - self.down_since)}" if self.down_since is not None else ""
+            down = now - self.down_since if self.down_since is not None else 0.0
+            since = f" for {fmt_duration(down)}" if down >= 1 else ""
             return f"{p.error or p.kind}{since}"
         ranks = (p.state.get("layout") or {}).get("ranks") or []
         down = [str(r.get("rank")) for r in ranks if not r.get("alive", True)]

@@ -91,7 +91,7 @@ class NodesPanel(Vertical):
     """One row per target, and the details of the highlighted one below."""
 
     DEFAULT_CSS = """
-    NodesPanel #nodes-table { height: auto; max-height: 1fr; }
+    NodesPanel #nodes-table { height: auto; max-height: 1fr; overflow-x: hidden; }
     NodesPanel #node-info { height: auto; padding: 1 1 0 1; }
     """
 
@@ -102,7 +102,7 @@ class NodesPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         table = DataTable(id="nodes-table", cursor_type="row")
-        table.add_columns("node", "role", "model", "tp", "up", "state", "step", "tok/s", "run", "wait", "note")
+        table.add_columns("node", "role", "model", "tp", "up", "state", "step", "tok/s", "reqs", "note")
         yield table
         yield Static(id="node-info")
 
@@ -114,11 +114,11 @@ class NodesPanel(Vertical):
             role = t.role + (f" {t.known['point']}" if t.known.get("point") else "")
             step = t.step_ms()
             rows.append((t.name, [
-                Keyed(t.name, t.name), Text(role if t.known else "-"), Text(str(t.known.get("model", "-"))),
+                Keyed(t.name, t.name), Text(role if t.known else "-"), Text(str(t.known.get("model", "-"))[:16]),
                 Text(layout_text(st, t.known)), num(fmt_duration(st["uptime_s"]) if st else None),
                 paint(self, t.status, STATUS_COLORS.get(t.status, "foreground")),
                 num(f"{step:.1f}ms" if step is not None else None), num(fmt_rate(t.rates.get("gen")) if st else None),
-                num(len(st.get("running", [])) if st else None), num(len(st.get("waiting", [])) if st else None),
+                num(f"{len(st.get('running', []))}+{len(st.get('waiting', []))}" if st else None),
                 paint(self, t.note(opts.now), "text-warning")]))
         sync_table(self.query_one(DataTable), rows)
         self.show_info()

@@ -1,0 +1,200 @@
+"""`trnd bench disagg`: what disaggregation costs and what pipelining buys, in one run.
+
+1. NIXL WRITE throughput between two processes (UCX) for batches of 64 KiB - 64 MiB, against a plain
+   in-process memcpy of the same bytes.
+2. TTFT for long prompts: a local prefill + decode deployment vs the aggregated server, same model.
+3. The same deployment with pipelining off (KV written only after the last chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+# -- 1. NIXL throughput ------------------------------------------------------------------------------
+
+def _target(conn, nbytes: int) -> None:
+    import torch
+
+    from trnd.transfer.nixl import KVAgent
+
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    agent = KVAgent("bench-dst", [buf])
+    conn.send((agent.metadata(), buf.data_ptr()))
+    conn.recv()  # until the writer is done
+    agent.close()
+
+
+def nixl_throughput(sizes: list[int], reps: int = 5) -> list[dict]:
+    import numpy as np
+    import torch
+
+    from trnd.transfer.nixl import KVAgent
+
+    biggest = max(sizes)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_target, args=(child, biggest))
+    proc.start()
+    meta, remote_base = parent.recv()
+    src = torch.randint(0, 255, (biggest,), dtype=torch.uint8)
+    agent = KVAgent("bench-src", [src])
+    peer = agent.add_peer(meta)
+    rows = []
+    try:
+        for n in sizes:
+            page = 64 << 10  # pages of 64 KiB, one descriptor each, one transfer per batch
+            k = max(1, n // page)
+            s = np.array([(src.data_ptr() + i * page, min(page, n), 0) for i in range(k)], dtype=np.uint64)
+            d = np.array([(remote_base + i * page, min(page, n), 0) for i in range(k)], dtype=np.uint64)
+            times = []
+            for r in range(reps + 1):
+                t = time.perf_counter()
+                h = agent.write(peer, s, d, b"")
+                while (st := agent.state(h)) == "PROC":
+                    pass
+                agent.release(h)
+                if st != "DONE":
+                    raise RuntimeError(f"NIXL transfer ended {st}")
+                if r:
+                    times.append(time.perf_counter() - t)
+            dst = torch.zeros(n, dtype=torch.uint8)
+            dst.copy_(src[:n])  # warm: pages faulted in, as the registered NIXL buffers are
+            mtimes = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                dst.copy_(src[:n])
+                mtimes.append(time.perf_counter() - t)
+            nx, mc = statistics.median(times), statistics.median(mtimes)
+            rows.append({"bytes": n, "nixl_gbs": n / nx / 1e9, "memcpy_gbs": n / mc / 1e9, "ratio": mc / nx})
+    finally:
+        parent.send("done")
+        proc.join(10)
+        agent.close()
+    return rows
+
+
+# -- 2 and 3. TTFT ------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(port: int, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"server exited with {p.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("server not ready")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def ttft(port: int, prompt: list[int], reps: int) -> float:
+    """Median seconds from sending a streamed completion to its first token (prefix cache off)."""
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=600,
+                          json={"model": "m", "prompt": prompt, "max_tokens": 2, "stream": True,
+                                "ignore_eos": True, "temperature": 0}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    out.append(time.perf_counter() - t)
+                    break
+    return statistics.median(out)
+
+
+def start(kind: str, model: str, point: str, kv_gb: float, tmp: Path, threads: int | None) -> tuple[list, int]:
+    exe = [sys.executable, "-m", "trnd"]
+    th = ["--threads", str(threads)] if threads else []
+    port = _free_port()
+    log = open(tmp / f"{kind}.log", "w")
+    if kind == "aggregated":
+        procs = [subprocess.Popen([*exe, "serve", "--aggregated", "--model", model, "--port", str(port),
+                                   "--served-model-name", "m", "--no-prefix-cache", "--kv-memory-gb", str(kv_gb),
+                                   "--page-size", "64", "--chunk-size", "2048", "--token-budget", "2048",
+                                   "--max-model-len", "131072", *th], stdout=log, stderr=subprocess.STDOUT)]
+    else:
+        secret = tmp / "secret"
+        secret.write_text(secrets.token_hex(16))
+        cp, ap = _free_port(), _free_port()
+        common = ["--model", model, "--point", point, "--secret-file", str(secret), "--kv-memory-gb", str(kv_gb),
+                  "--no-prefix-cache", *th]
+        extra = ["--no-pipeline"] if kind == "disagg-nopipe" else []
+        procs = [subprocess.Popen([*exe, "prefill", *common, "--control-port", str(cp), "--admin-port", str(ap),
+                                   *extra], stdout=log, stderr=subprocess.STDOUT),
+                 subprocess.Popen([*exe, "decode", *common, "--port", str(port), "--prefill", f"127.0.0.1:{cp}",
+                                   "--served-model-name", "m"], stdout=log, stderr=subprocess.STDOUT)]
+    _wait(port, procs)
+    return procs, port
+
+
+def main(args) -> int:
+    import torch
+
+    from trnd.roles.serve import resolve_model
+
+    model = str(resolve_model(args.model))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    print(f"trnd bench disagg: model {model}, point {args.point}, prompts {lengths}, {os.cpu_count()} cores",
+          flush=True)
+    print("\n1. NIXL WRITE (UCX, two processes) vs memcpy, one transfer of 64 KiB descriptors per batch")
+    print(f"{'batch':>10}{'NIXL GB/s':>12}{'memcpy GB/s':>13}{'NIXL/memcpy':>13}")
+    rows = nixl_throughput(SIZES)
+    for r in rows:
+        print(f"{r['bytes'] >> 10:>8}Ki{r['nixl_gbs']:>12.2f}{r['memcpy_gbs']:>13.2f}{r['ratio']:>12.2f}x")
+    g = torch.Generator().manual_seed(0)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    prompts = {n: torch.randint(10, min(vocab, 15000), (n,), generator=g).tolist() for n in lengths}
+    results: dict[str, dict[int, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("aggregated", "disagg", "disagg-nopipe"):
+            procs, port = start(kind, model, args.point, args.kv_memory_gb, Path(tmp), args.threads)
+            try:
+                ttft(port, prompts[lengths[0]][:256], 1)  # warm-up
+                results[kind] = {n: ttft(port, prompts[n], args.reps) for n in lengths}
+            finally:
+                _stop(procs)
+            print(f"  measured {kind}: " + ", ".join(f"{n}: {t * 1e3:.0f} ms" for n, t in results[kind].items()),
+                  flush=True)
+    print("\n2-3. TTFT (median of", args.reps, "), prefix cache off")
+    print(f"{'prompt':>8}{'aggregated':>12}{'disagg':>10}{'ratio':>8}{'no pipeline':>13}{'ratio':>8}")
+    for n in lengths:
+        a, d, np_ = results["aggregated"][n], results["disagg"][n], results["disagg-nopipe"][n]
+        print(f"{n:>8}{a * 1e3:>10.0f}ms{d * 1e3:>8.0f}ms{d / a:>7.2f}x{np_ * 1e3:>11.0f}ms{np_ / a:>7.2f}x")
+    return 0
