@@ -280,9 +280,9 @@ class TopApp(App):
 
     def action_panel(self, name: str) -> None:
         self.query_one(TabbedContent).active = name
-        table = self.query_one(f"#{name}-panel").query(DataTable).first(None)
-        if table is not None:
-            table.focus()
+        tables = self.query_one(f"#{name}-panel").query(DataTable)
+        if tables:
+            tables.first().focus()
 
     def action_sort(self) -> None:
         self.opts.sort = (self.opts.sort + 1) % len(SORTS)

@@ -96,20 +96,33 @@ class Client:
         transport = httpx.AsyncHTTPTransport(uds=target.uds) if target.uds else None
         self.http = httpx.AsyncClient(base_url=target.url, headers=headers, transport=transport, timeout=timeout)
 
+    async def _get(self, path: str) -> httpx.Response | httpx.HTTPError:
+        try:
+            return await self.http.get(path)
+        except httpx.HTTPError as e:
+            return e
+
     async def poll(self) -> Poll:
         try:
-            state, ready = await asyncio.wait_for(asyncio.gather(self.http.get("/admin/state"),
-                                                                 self.http.get("/ready")), self.timeout)
-        except (asyncio.TimeoutError, httpx.TimeoutException):
+            async with asyncio.timeout(self.timeout):  # one deadline for both requests
+                async with asyncio.TaskGroup() as tg:
+                    state_task = tg.create_task(self._get("/admin/state"))
+                    ready_task = tg.create_task(self._get("/ready"))
+        except TimeoutError:
             return Poll(None, kind="slow", error=f"no answer in {self.timeout:g} s")
-        except httpx.ConnectError as e:
-            return Poll(None, kind="unreachable", error=_connect_reason(e))
-        except httpx.HTTPError as e:
-            return Poll(None, kind="unreachable", error=type(e).__name__)
-        try:
-            status = ready.json().get("status")
-        except ValueError:
-            status = None
+        state, ready = state_task.result(), ready_task.result()
+        if isinstance(state, httpx.TimeoutException):
+            return Poll(None, kind="slow", error=f"no answer in {self.timeout:g} s")
+        if isinstance(state, httpx.ConnectError):
+            return Poll(None, kind="unreachable", error=_connect_reason(state))
+        if isinstance(state, httpx.HTTPError):
+            return Poll(None, kind="unreachable", error=type(state).__name__)
+        status = None
+        if isinstance(ready, httpx.Response):
+            try:
+                status = ready.json().get("status")
+            except (ValueError, AttributeError):
+                pass
         if state.status_code != 200:
             return Poll(None, ready=status, kind="error", error=_error_message(state))
         try:

@@ -254,7 +254,7 @@ class CacheCard(Static):
                                     f"$status[/]", name=t.name, role=t.role, status=t.status)
         lines = [title]
         if t.state is None:
-            return Content("\n").join(lines)
+            return title + Content(f"  {t.poll.error}") if t.poll and t.poll.error else title
         for tier in t.tiers():
             pct = f"{(tier.in_use + tier.cached) / tier.total:4.0%}" if tier.total else "   -"
             label = f"{tier.name[:7]:<7} "
