@@ -177,6 +177,7 @@ def test_mismatched_models_are_refused(tiny_qwen3, tiny_llama, secret):
     dec = start_role("decode", tiny_qwen3, secret, "--prefill", f"127.0.0.1:{cp}", port=port)
     try:
         wait_ready(ap, pre)
+        wait_ready(port, dec, path="/health")
         assert wait_for(lambda: admin_state(port)["peers"][0]["refused"], timeout=20)
         assert "model_fingerprint" in admin_state(port)["peers"][0]["refused"]
     finally:

@@ -472,7 +472,7 @@ def test_a_hung_engine_loop_stops_the_watchdog_pings(tiny_qwen3, tmp_path, liste
                env={lifecycle.STALL_ENV: "60"})
     try:
         t_ready = wait_ready_notified(d, port)
-        time.sleep(1.2)
+        time.sleep(1.6)
         assert len(listener.times("WATCHDOG", t_ready, time.monotonic())) >= 2  # idle: the loop comes round
         t_req = time.monotonic()
 

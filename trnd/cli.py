@@ -130,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return top_main(argv[1:])
     args = build_parser().parse_args(argv)
-    from trnd.config import ConfigError
-    from trnd.roles.common import StartupError
+    from trnd.config import ConfigError, StartupError
 
     try:
         if args.cmd == "serve":

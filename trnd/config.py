@@ -22,6 +22,10 @@ class ConfigError(ValueError):
     """A bad config file or flag value; the message is one line naming the field."""
 
 
+class StartupError(RuntimeError):
+    """A role that must not start (pool too small for the point, bad layout): one line, exit EX_CONFIG."""
+
+
 class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The aggregated server (`trnd serve`): one process owning model, scheduler and HTTP front."""
     model: str | None = None  # None: the embedded default (a tiny model made on first use)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from trnd.config import StartupError
 from trnd.engine.engine import Engine, EngineConfig
 from trnd.model.config import ModelConfig, fingerprint
 from trnd.points import DecodePoint, get_point
@@ -12,10 +13,6 @@ from trnd.transfer.plan import Layout
 from trnd.transfer.protocol import Manifest
 
 log = logging.getLogger("trnd.role")
-
-
-class StartupError(RuntimeError):
-    """A role that must not start (pool too small for the point, bad layout): one line, exit EX_CONFIG."""
 
 
 def build_engine(model_dir: Path, point_name: str, *, dtype, backend, tp, kv_memory_gb, prefix_cache, threads,

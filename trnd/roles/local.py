@@ -56,20 +56,42 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> tuple[Path, Pat
     return prefill, decode, control, admin
 
 
+def _ok(port: int, path: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def run(cfg: ServeConfig, model: str) -> int:
+    """The supervisor speaks for the deployment to systemd (NotifyAccess=main): READY once decode is
+    ready, WATCHDOG while both children live, STOPPING/RELOADING around forwarded signals. The
+    children get no NOTIFY_SOCKET of their own."""
+    from trnd.daemon import notify
+
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
     with tempfile.TemporaryDirectory(prefix="trnd-serve-") as tmp:
         pre_cfg, dec_cfg, control, admin = role_configs(cfg, model, Path(tmp))
         cmd = [sys.executable, "-m", "trnd"]
-        procs = {"prefill": subprocess.Popen([*cmd, "prefill", "--config", str(pre_cfg)]),
-                 "decode": subprocess.Popen([*cmd, "decode", "--config", str(dec_cfg)])}
+        procs = {"prefill": subprocess.Popen([*cmd, "prefill", "--config", str(pre_cfg)], env=env),
+                 "decode": subprocess.Popen([*cmd, "decode", "--config", str(dec_cfg)], env=env)}
+        notify.status("starting prefill and decode")
         print(f"trnd: local deployment: prefill pid {procs['prefill'].pid} (admin http://127.0.0.1:{admin}), "
               f"decode pid {procs['decode'].pid} (API http://{cfg.host}:{cfg.port}/v1)", flush=True)
         stopping = False
+        ready = False
+        reloading_since: float | None = None
 
         def forward(signum, _frame):
-            nonlocal stopping
+            nonlocal stopping, reloading_since
             if signum in (signal.SIGTERM, signal.SIGINT):
                 stopping = True
+                notify.stopping("draining")
+            elif signum == signal.SIGHUP:
+                reloading_since = time.monotonic()
+                notify.reloading("reloading prefill and decode")
             for p in procs.values():
                 if p.poll() is None:
                     p.send_signal(signum)
@@ -77,15 +99,28 @@ def run(cfg: ServeConfig, model: str) -> int:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, forward)
         backoff = 0.5
+        beat = notify.watchdog_interval()
+        last_beat = 0.0
         while True:
             rc = procs["decode"].poll()
             if rc is not None:
                 break
+            now = time.monotonic()
+            if not ready and not stopping and _ok(cfg.port, '/ready'):
+                ready = True
+                notify.ready(f"serving on http://{cfg.host}:{cfg.port}/v1")
+            if reloading_since is not None and now - reloading_since > 1.0 and _ok(cfg.port, '/ready'):
+                reloading_since = None
+                notify.ready("reloaded")
+            if (beat and now - last_beat >= beat and all(p.poll() is None for p in procs.values())
+                    and _ok(cfg.port, "/health")):  # decode's /health: its engine loop is making progress
+                notify.watchdog()
+                last_beat = now
             if procs["prefill"].poll() is not None and not stopping:
                 log.warning("prefill exited with %s; restarting it in %.1f s", procs["prefill"].returncode, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 10)
-                procs["prefill"] = subprocess.Popen([*cmd, "prefill", "--config", str(pre_cfg)])
+                procs["prefill"] = subprocess.Popen([*cmd, "prefill", "--config", str(pre_cfg)], env=env)
             time.sleep(0.2)
         p = procs["prefill"]
         if p.poll() is None:

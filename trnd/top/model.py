@@ -64,6 +64,8 @@ class Tier:
     page_bytes: int | None = None
     evict_per_s: float | None = None
     load_per_s: float | None = None
+    store_per_s: float | None = None
+    hit_rate: float | None = None  # lookups that found the page in this tier
 
 
 @dataclass
@@ -111,7 +113,7 @@ class NodeTrack:
         self.hit_window: float | None = None
         self.peer_hist: dict[str, deque[float]] = {}
         self.peer_rate: dict[str, float | None] = {}
-        self.tier_rates: dict[str, tuple[float | None, float | None]] = {}
+        self.tier_rates: dict[str, tuple[float | None, ...]] = {}  # evict, load, store per second
 
     # -- updates -----------------------------------------------------------------------------------
 
@@ -154,7 +156,8 @@ class NodeTrack:
         for t in _raw_tiers(st):
             old = t0.get(t.name)
             self.tier_rates[t.name] = (rate(old.evicted, t.evicted) if old else None,
-                                       rate(old.loaded, t.loaded) if old else None)
+                                       rate(old.loaded, t.loaded) if old else None,
+                                       rate(old.stored, t.stored) if old else None)
         # transfer throughput: per peer where the role counts bytes per peer, plus the node's total
         def byte_counts(state: dict | None) -> dict[str, int | None]:
             if state is None:
@@ -232,8 +235,8 @@ class NodeTrack:
             out.append(Tier("device", pg.get("total", 0), pg.get("in_use", 0), pg.get("cached", 0),
                             pg.get("free", 0), pg.get("page_bytes"), self.rates.get("evict"), None))
         for t in _raw_tiers(self.state):
-            ev, ld = self.tier_rates.get(t.name, (None, None))
-            out.append(Tier(t.name, t.total, t.in_use, t.cached, t.free, t.page_bytes, ev, ld))
+            ev, ld, sto = self.tier_rates.get(t.name, (None, None, None))
+            out.append(Tier(t.name, t.total, t.in_use, t.cached, t.free, t.page_bytes, ev, ld, sto, t.hit_rate))
         return out
 
     def hot_prefixes(self) -> list[tuple[str, str]]:
@@ -256,12 +259,14 @@ class NodeTrack:
             return {}, [], []
         tr = self.state.get("transfers") or {}
         counters = {k: v for k, v in tr.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        names = {str(p.get("id")): _peer_id(p) for p in self.state.get("peers", []) if p.get("id") is not None}
         flights = []
         for f in tr.get("in_flight", []):
             detail = " ".join(f"{k} {f[k]}" for k in ("sent_pages", "xfers", "notifs") if k in f)
             if f.get("fenced"):
                 detail += " fenced"
-            flights.append(InFlight(self.name, str(f.get("rid", "?")), str(f.get("peer", "?")), detail.strip(),
+            peer = str(f.get("peer", "?"))
+            flights.append(InFlight(self.name, str(f.get("rid", "?")), names.get(peer, peer), detail.strip(),
                                     float(f.get("age_s", 0.0))))
         peers = []
         for p in self.state.get("peers", []):
@@ -291,10 +296,13 @@ class _RawTier:
     page_bytes: int | None
     evicted: int | None
     loaded: int | None
+    stored: int | None
+    hit_rate: float | None
 
 
 def _raw_tiers(st: dict | None) -> list[_RawTier]:
-    """The optional `tiers` field (host L2 / remote L3), a dict by name or a list; missing counts derived."""
+    """The optional `tiers` field: {"policy": ..., "host": {...}, <L3>: {...}} (a tier is any dict in it;
+    a list of dicts with "name" is taken too). A tier's used slots hold cached pages; none are in use."""
     raw = (st or {}).get("tiers") or []
     items = list(raw.items()) if isinstance(raw, dict) else [(t.get("name", f"tier{i}"), t) for i, t in
                                                              enumerate(raw) if isinstance(t, dict)]
@@ -302,13 +310,16 @@ def _raw_tiers(st: dict | None) -> list[_RawTier]:
     for name, t in items:
         if not isinstance(t, dict):
             continue
-        total = int(t.get("total", t.get("total_pages", t.get("capacity_pages", 0))) or 0)
-        in_use = int(t.get("in_use", t.get("used", 0)) or 0)
-        cached = int(t.get("cached", t.get("cached_pages", 0)) or 0)
-        free = int(t.get("free", max(0, total - in_use - cached)) or 0)
+        total = int(_first(t, "total", "slots", "total_pages", "capacity_pages") or 0)
+        in_use = int(_first(t, "in_use") or 0)
+        cached = int(_first(t, "cached", "cached_pages", "used") or 0)
+        free = int(_first(t, "free") if _first(t, "free") is not None else max(0, total - in_use - cached))
+        hits, misses = _first(t, "hits"), _first(t, "misses")
         out.append(_RawTier(str(t.get("name", name)), total, in_use, cached, free, t.get("page_bytes"),
-                            _first(t, "evicted_pages", "evictions", "evicted"),
-                            _first(t, "loaded_pages", "loads", "loaded")))
+                            _first(t, "evicted", "evicted_pages", "evictions"),
+                            _first(t, "loaded", "loaded_pages", "loads"), _first(t, "stored", "stored_pages"),
+                            hits / (hits + misses) if hits is not None and misses is not None and hits + misses
+                            else None))
     return out
 
 
@@ -327,7 +338,8 @@ def _xfer_bytes(st: dict | None) -> int | None:
 
 
 def _peer_id(p: dict) -> str:
-    return str(p.get("id") or p.get("addr") or p.get("agent") or "?")
+    """decode names its prefill peers by address; prefill knows its decode peers by agent name (and an id)."""
+    return str(p.get("addr") or p.get("agent") or p.get("id") or "?")
 
 
 def _req(node: str, r: dict, queued: bool) -> ReqRow:

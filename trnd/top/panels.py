@@ -91,7 +91,7 @@ class NodesPanel(Vertical):
     """One row per target, and the details of the highlighted one below."""
 
     DEFAULT_CSS = """
-    NodesPanel #nodes-table { height: auto; max-height: 1fr; overflow-x: hidden; }
+    NodesPanel #nodes-table { height: auto; max-height: 1fr; }
     NodesPanel #node-info { height: auto; padding: 1 1 0 1; }
     """
 
@@ -102,7 +102,7 @@ class NodesPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         table = DataTable(id="nodes-table", cursor_type="row")
-        table.add_columns("node", "role", "model", "tp", "up", "state", "step", "tok/s", "reqs", "note")
+        table.add_columns("node", "role", "state", "tok/s", "step", "reqs", "up", "tp", "model", "note")
         yield table
         yield Static(id="node-info")
 
@@ -114,12 +114,12 @@ class NodesPanel(Vertical):
             role = t.role + (f" {t.known['point']}" if t.known.get("point") else "")
             step = t.step_ms()
             rows.append((t.name, [
-                Keyed(t.name, t.name), Text(role if t.known else "-"), Text(str(t.known.get("model", "-"))[:16]),
-                Text(layout_text(st, t.known)), num(fmt_duration(st["uptime_s"]) if st else None),
+                Keyed(t.name, t.name), Text(role if t.known else "-"),
                 paint(self, t.status, STATUS_COLORS.get(t.status, "foreground")),
-                num(f"{step:.1f}ms" if step is not None else None), num(fmt_rate(t.rates.get("gen")) if st else None),
+                num(fmt_rate(t.rates.get("gen")) if st else None), num(f"{step:.1f}ms" if step is not None else None),
                 num(f"{len(st.get('running', []))}+{len(st.get('waiting', []))}" if st else None),
-                paint(self, t.note(opts.now), "text-warning")]))
+                num(fmt_duration(st["uptime_s"]) if st else None), Text(layout_text(st, t.known)),
+                Text(str(t.known.get("model", "-"))[:20]), paint(self, t.note(opts.now), "text-warning")]))
         sync_table(self.query_one(DataTable), rows)
         self.show_info()
 
@@ -184,11 +184,10 @@ class BatchPanel(Vertical):
     def _columns(self, multi: bool) -> None:
         table = self.query_one(DataTable)
         table.clear(columns=True)
-        table.add_column("id", key="id")
+        for label in ("id", "session", "state", "prompt", "cached", "gen", "tok/s", "age"):
+            table.add_column(label, key=label)
         if multi:
             table.add_column("node", key="node")
-        for label in ("session", "state", "prompt", "cached", "gen", "tok/s", "age"):
-            table.add_column(label, key=label)
         self.multi = multi
 
     def show(self, tracks: list[NodeTrack], opts: ViewOpts) -> None:
@@ -201,12 +200,11 @@ class BatchPanel(Vertical):
         self.rows = {r.key: r for r in shown}
         rows = []
         for r in shown:
-            cells = [Keyed(short_id(r.id), r.key)]
+            cells = [Keyed(short_id(r.id), r.key), Text((r.session or "-")[:12], no_wrap=True),
+                     paint(self, r.state, REQ_COLORS.get(r.state, "")), num(r.prompt), num(r.cached),
+                     num(r.generated), num(fmt_rate(r.tokens_per_s)), num(fmt_duration(r.age_s))]
             if multi:
                 cells.append(Text(r.node, no_wrap=True))
-            cells += [Text((r.session or "-")[:14], no_wrap=True), paint(self, r.state, REQ_COLORS.get(r.state, "")),
-                      num(r.prompt), num(r.cached), num(r.generated), num(fmt_rate(r.tokens_per_s)),
-                      num(fmt_duration(r.age_s))]
             rows.append((r.key, cells))
         sync_table(self.query_one(DataTable), rows)
         running = sum(not r.queued for r in every)
@@ -250,27 +248,35 @@ class CacheCard(Static):
     def render(self) -> Content:
         t = self.track
         width = max(30, self.size.width - 2)
-        title = Content.from_markup(f"[b]$name[/b] · $role · [${STATUS_COLORS.get(t.status, 'foreground')}]"
-                                    f"$status[/]", name=t.name, role=t.role, status=t.status)
+        title = Content.from_markup(f"[b]$name[/b] · $role[${STATUS_COLORS.get(t.status, 'foreground')}]"
+                                    f"$status[/]", name=t.name, role=f"{t.role} · " if t.known else "",
+                                    status=t.status)
         lines = [title]
         if t.state is None:
             return title + Content(f"  {t.poll.error}") if t.poll and t.poll.error else title
         for tier in t.tiers():
             pct = f"{(tier.in_use + tier.cached) / tier.total:4.0%}" if tier.total else "   -"
             label = f"{tier.name[:7]:<7} "
-            lines.append(Content(label) + bar(width - len(label) - 6, tier.in_use, tier.cached, tier.total)
+            lines.append(Content(label) + bar(min(64, width - len(label) - 6), tier.in_use, tier.cached, tier.total)
                          + Content(f" {pct}"))
             size = f" × {fmt_bytes(tier.page_bytes)}" if tier.page_bytes else ""
-            rates = f" · evict {fmt_rate(tier.evict_per_s)}/s" if tier.evict_per_s is not None else ""
-            rates += f" · load {fmt_rate(tier.load_per_s)}/s" if tier.load_per_s is not None else ""
-            lines.append(Content.from_markup(
-                f"{' ' * len(label)}[$error]█[/] in use {tier.in_use}  [$primary]▓[/] cached {tier.cached}  "
-                f"[$foreground 35%]░[/] free {tier.free}  / {tier.total}{size}{rates}"))
+            legend = (f"[$error]█[/] in use {tier.in_use}  " if tier.name == "device" or tier.in_use else "") + \
+                f"[$primary]▓[/] cached {tier.cached}  [$foreground 35%]░[/] free {tier.free}  / {tier.total}{size}"
+            rates = [f"hit {tier.hit_rate:.1%}"] if tier.hit_rate is not None else []
+            rates += [f"{what} {fmt_rate(x)}/s" for what, x in (("evict", tier.evict_per_s),
+                                                                 ("load", tier.load_per_s),
+                                                                 ("store", tier.store_per_s)) if x is not None]
+            legend = Content(" " * len(label)) + Content.from_markup(legend)
+            extra = "".join(f" · {r}" for r in rates)
+            if legend.cell_length + len(extra) <= width:
+                lines.append(legend + Content(extra))
+            else:
+                lines += [legend, Content(" " * len(label) + extra.removeprefix(" · "))]
         rad = t.state.get("radix") or {}
-        win = f" (last poll {t.hit_window:.0%})" if t.hit_window is not None else ""
+        win = f" (recent {t.hit_window:.0%})" if t.hit_window is not None else ""
         lines.append(Content(f"prefix hit {rad.get('hit_rate', 0.0):.1%}{win} · "
                              f"{rad.get('hit_tokens', 0)}/{rad.get('query_tokens', 0)} tok · "
-                             f"evicted {rad.get('evicted_pages', 0)} ({fmt_rate(t.rates.get('evict'))}/s) · "
+                             f"evicted {rad.get('evicted_pages', 0)} · "
                              f"radix nodes {rad.get('nodes', 0)}"))
         hot = t.hot_prefixes()
         if hot:
@@ -282,6 +288,8 @@ class CacheCard(Static):
 
 
 class CachePanel(VerticalScroll):
+    DEFAULT_CSS = "CachePanel { scrollbar-gutter: stable; }"
+
     def show(self, tracks: list[NodeTrack], opts: ViewOpts) -> None:
         cards = {c.track.name: c for c in self.query(CacheCard)}
         for name in set(cards) - {t.name for t in tracks}:
@@ -314,7 +322,7 @@ class TransfersPanel(Vertical):
         yield flights
         yield Static("peers", classes="xfer-title")
         peers = DataTable(id="xfer-peers", cursor_type="row")
-        peers.add_columns("peer", "node", "kind", "health", "throughput", "rate", "total", "note")
+        peers.add_columns("peer", "node", "health", "throughput", "rate", "total", "kind", "note")
         yield peers
 
     def show(self, tracks: list[NodeTrack], opts: ViewOpts) -> None:
@@ -325,7 +333,8 @@ class TransfersPanel(Vertical):
             if not (counters or flights or peers):
                 continue
             failed = counters.get("failed", 0)
-            figs = " · ".join(f"{k} {fmt_bytes(v) if k == 'bytes' else v}" for k, v in counters.items())
+            figs = " · ".join(f"{k} {fmt_bytes(v) if k == 'bytes' else v}" for k, v in counters.items()
+                              if v or k == "failed")
             summary.append(Content.from_markup(f"[b]$name[/b] ({t.role}) $figs", name=t.name, figs=figs)
                            + (Content.from_markup("  [$text-error]failures![/]") if failed else Content("")))
             for f in flights:
@@ -338,10 +347,11 @@ class TransfersPanel(Vertical):
                 key = f"{p.node}\t{p.peer}"
                 health = "-" if p.healthy is None else ("ok" if p.healthy else "down")
                 peer_rows.append((key, [
-                    Keyed(p.peer, key), Text(p.node, no_wrap=True), Text(p.kind),
+                    Keyed(p.peer, key), Text(p.node, no_wrap=True),
                     paint(self, health, {"ok": "text-success", "down": "text-error"}.get(health, "foreground")),
                     paint(self, sparkline(p.history, 16).ljust(16) if p.history else "-", "text-primary"),
-                    num(fmt_bytes(p.rate, "/s")), num(fmt_bytes(p.total_bytes)), Text(p.note, no_wrap=True)]))
+                    num(fmt_bytes(p.rate, "/s")), num(fmt_bytes(p.total_bytes)), Text(p.kind),
+                    Text(p.note, no_wrap=True)]))
         if not summary:
             summary = [Content("no disaggregated roles among the targets: KV handoffs appear with "
                                "trnd prefill / trnd decode")]
