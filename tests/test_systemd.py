@@ -549,3 +549,26 @@ def test_decode_is_ready_only_after_a_prefill_peer_handshaked(tiny_qwen3, tmp_pa
             pre.kill()
         dec_l.close()
         pre_l.close()
+
+
+@pytest.mark.slow
+def test_serve_deployment_supervisor_speaks_for_its_children(tiny_qwen3, tmp_path, listener):
+    """`trnd@serve` with the default local prefill + decode deployment: only the supervisor (the unit's
+    main process) notifies: READY once decode is ready, WATCHDOG while both children live, STOPPING."""
+    port = free_port()
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(f'model = "{tiny_qwen3}"\nport = {port}\nthreads = 1\nkv_memory_gb = 0.05\n')
+    d = Daemon("serve", cfg, listener, log=tmp_path / "out.log", watchdog_s=2.0)
+    try:
+        t_ready = wait_ready_notified(d, port, timeout=120)
+        time.sleep(2.6)
+        assert len(listener.times("WATCHDOG", t_ready, t_ready + 2.6)) >= 2
+        assert complete(port).status_code == 200
+        t_term = time.monotonic()
+        d.signal(signal.SIGTERM)
+        assert d.wait(60) == 0
+        listener.wait("STOPPING", "1", after=t_term, timeout=1)
+    finally:
+        d.kill()
+    # one READY: the children were given no NOTIFY_SOCKET, or each would have sent its own
+    assert len([m for _, m in listener.messages if m.get("READY") == "1"]) == 1, d.output()

@@ -1,0 +1,520 @@
+"""`trnd top`: the model derived from /admin/state, target resolution, polling (refused, slow, unix
+socket, API key), `--once`, and Pilot tests against a real `trnd serve` with traffic: the batch table,
+the cache bars, abort and drain through the UI."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import io
+import json
+import socket
+import threading
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import httpx
+import pytest
+
+from trnd.top.app import ConfirmScreen, RequestScreen, TopApp
+from trnd.top.cli import main as top_main
+from trnd.top.cli import render_plain
+from trnd.top.client import Client, parse_target, resolve_targets, targets_from_configs
+from trnd.top.model import NodeTrack, Poll, short_id, sort_rows, sparkline
+from trnd.top.panels import BatchPanel, CacheCard, NodesPanel
+
+from .procs import free_port, start_serve, stop, wait_ready
+
+DATA = Path(__file__).parent / "top_data"
+
+
+def states(role: str) -> list[dict]:
+    return json.loads((DATA / f"{role}.json").read_text())
+
+
+def track_of(role: str, upto: int | None = None, name: str = "n") -> NodeTrack:
+    t = NodeTrack(name)
+    for st in states(role)[:upto]:
+        t.update(Poll(st, ready="ready"), 0.0)
+    return t
+
+
+# -- a fake trnd: answers /admin/state from recordings, optionally slowly ------------------------------
+
+class FakeTrnd:
+    """A tiny HTTP/1.1 server on its own thread and loop: TCP or a unix socket."""
+
+    def __init__(self, seq: list[dict] | None = None, delay: float = 0.0, uds: str | None = None,
+                 port: int | None = None):
+        self.seq, self.delay, self.uds = seq or [], delay, uds
+        self.port = port or free_port()
+        self.ready = "ready"
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.pending = 0
+        self.served = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    async def handle(self, reader, writer):
+        self.pending += 1
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode().split("\r\n")
+            method, path, _ = lines[0].split(" ", 2)
+            auth = next((ln.split(":", 1)[1].strip() for ln in lines[1:] if ln.lower().startswith("authorization:")),
+                        None)
+            self.requests.append((method, path, auth))
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if path == "/admin/state":
+                body = self.seq[min(self.served, len(self.seq) - 1)]
+                self.served += 1
+                code = 200
+            elif path == "/ready":
+                body, code = {"status": self.ready}, 200 if self.ready == "ready" else 503
+            else:
+                body, code = {"ok": True, "path": path}, 200
+            data = json.dumps(body).encode()
+            writer.write(f"HTTP/1.1 {code} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                         f"Connection: close\r\n\r\n".encode() + data)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.pending -= 1
+            writer.close()
+
+    def start(self) -> FakeTrnd:
+        self.thread.start()
+
+        async def serve():
+            if self.uds:
+                self.server = await asyncio.start_unix_server(self.handle, self.uds)
+            else:
+                self.server = await asyncio.start_server(self.handle, "127.0.0.1", self.port)
+
+        asyncio.run_coroutine_threadsafe(serve(), self.loop).result(5)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"unix:{self.uds}" if self.uds else f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        async def shut():
+            self.server.close()
+
+        asyncio.run_coroutine_threadsafe(shut(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+async def until(pilot, pred, timeout: float = 10.0, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        await pilot.pause(step)
+    return pred()
+
+
+# -- model ------------------------------------------------------------------------------------------
+
+def test_rates_come_from_successive_snapshots_timed_by_uptime():
+    seq = states("serve")
+    t = track_of("serve")
+    a, b = seq[-2], seq[-1]
+    dt = b["uptime_s"] - a["uptime_s"]
+    assert t.rates["gen"] == pytest.approx((b["stats"]["generation_tokens"] - a["stats"]["generation_tokens"]) / dt)
+    assert t.rates["evict"] == pytest.approx((b["radix"]["evicted_pages"] - a["radix"]["evicted_pages"]) / dt)
+    assert t.rates["gen"] > 0 and t.status == "ready"
+    # a restart (uptime goes back) gives no rate across the two processes
+    t.update(Poll(seq[0], ready="ready"), 1.0)
+    assert t.rates["gen"] is None and t.hit_window is None
+
+
+def test_requests_rows_and_states():
+    d = track_of("decode")
+    rows = d.requests()
+    last = states("decode")[-1]
+    assert [r.id for r in rows if not r.queued] == [r["id"] for r in last["running"]]
+    assert {r.state for r in rows} <= {"decoding", "prefilling", "waiting KV", "waiting"}
+    assert any(r.state == "waiting KV" for r in track_of("decode", 1).requests())  # "waiting_for_kv" in the state
+    s = track_of("serve")
+    queued = [r for r in s.requests() if r.queued]
+    assert queued and all(r.state == "waiting" for r in queued)
+    ordered = sort_rows(s.requests(), 0)
+    assert [r.queued for r in ordered] == sorted(r.queued for r in ordered)  # running first
+    running = [r for r in ordered if not r.queued]
+    assert [r.age_s for r in running] == sorted((r.age_s for r in running), reverse=True)  # oldest first
+    by_tps = [r for r in sort_rows(s.requests(), 1) if not r.queued]
+    assert [r.tokens_per_s for r in by_tps] == sorted((r.tokens_per_s or 0 for r in by_tps), reverse=True)
+
+
+def test_status_from_state_ready_and_failures():
+    st = copy.deepcopy(states("serve")[-1])
+    t = NodeTrack("n")
+    assert t.status == "polling"
+    t.update(Poll(st, ready="loading"), 0.0)
+    assert t.status == "loading"
+    t.update(Poll({**st, "uptime_s": st["uptime_s"] + 1, "draining": True}, ready="draining"), 1.0)
+    assert t.status == "draining"
+    st2 = copy.deepcopy(st)
+    st2["uptime_s"] += 2
+    st2["layout"] = {"tp": 2, "kv_heads_per_rank": 1, "ranks": [{"rank": 0, "alive": True}, {"rank": 1, "alive": False}]}
+    t.update(Poll(st2, ready="ready"), 2.0)
+    assert t.status == "degraded" and t.note(2.0) == "rank 1 down"
+    t.update(Poll(None, kind="unreachable", error="connection refused"), 10.0)
+    assert t.status == "unreachable" and t.requests() == [] and t.known["model"] == st["model"]
+    assert t.note(22.5) == "connection refused for 12s"
+    t.update(Poll(None, kind="slow", error="no answer in 0.4 s"), 23.0)
+    assert t.status == "slow"
+    t.update(Poll(None, kind="error", error="HTTP 401: bad key"), 24.0)
+    assert t.status == "error"
+    st3 = copy.deepcopy(st2)
+    st3["uptime_s"] += 30
+    t.update(Poll(st3, ready="ready"), 25.0)  # back, same process: rates across the outage
+    assert t.status == "degraded" and t.rates["gen"] is not None
+
+
+def test_tiers_host_and_remote_and_rates():
+    a = copy.deepcopy(states("serve")[-2])
+    b = copy.deepcopy(states("serve")[-1])
+    for st, loaded in ((a, 10), (b, 40)):
+        st["tiers"]["remote"] = {"slots": 1000, "used": 300, "page_bytes": 8192, "hits": 30, "misses": 10,
+                                 "loaded": loaded, "stored": 0, "evicted": 0}
+    t = NodeTrack("n")
+    t.update(Poll(a), 0.0)
+    t.update(Poll(b), 1.0)
+    tiers = {x.name: x for x in t.tiers()}
+    assert list(tiers) == ["device", "host", "remote"]
+    assert tiers["device"].total == b["pages"]["total"] and tiers["device"].in_use == b["pages"]["in_use"]
+    host = b["tiers"]["host"]
+    assert (tiers["host"].total, tiers["host"].cached, tiers["host"].free) == (host["slots"], host["used"], host["free"])
+    r = tiers["remote"]
+    assert (r.total, r.cached, r.free, r.hit_rate) == (1000, 300, 700, 0.75)
+    assert r.load_per_s == pytest.approx(30 / (b["uptime_s"] - a["uptime_s"]))
+    # no tiers field (or null): only the device
+    b2 = copy.deepcopy(b)
+    b2["tiers"] = None
+    t.update(Poll({**b2, "uptime_s": b["uptime_s"] + 1}), 2.0)
+    assert [x.name for x in t.tiers()] == ["device"]
+
+
+def test_hot_prefixes_when_present():
+    st = copy.deepcopy(states("serve")[-1])
+    t = NodeTrack("n")
+    t.update(Poll(st), 0.0)
+    assert t.hot_prefixes() == []
+    st["hot_prefixes"] = [{"text": "You are a helpful\nassistant", "hits": 120, "pages": 4}]
+    t.update(Poll({**st, "uptime_s": st["uptime_s"] + 1}), 1.0)
+    assert t.hot_prefixes() == [("You are a helpful⏎assistant", "120 hits · 4 pages")]
+
+
+def test_transfers_per_peer_throughput_and_in_flight():
+    p = track_of("prefill")
+    seq = states("prefill")
+    counters, flights, peers = p.transfers()
+    assert counters["bytes"] == seq[-1]["transfers"]["bytes"]
+    agent = seq[-1]["peers"][0]["agent"]
+    per_peer = next(x for x in peers if x.peer == agent)
+    rates = [(b["peers"][0]["bytes_sent"] - a["peers"][0]["bytes_sent"]) / (b["uptime_s"] - a["uptime_s"])
+             for a, b in zip(seq, seq[1:])]
+    assert per_peer.history == pytest.approx(rates) and per_peer.healthy is True
+    # in-flight handoffs name the peer by agent, not the prefill's numeric peer id
+    with_flights = next(i for i, st in enumerate(seq) if st["transfers"]["in_flight"])
+    _, flights, _ = track_of("prefill", with_flights + 1).transfers()
+    assert flights and all(f.peer == agent for f in flights)
+    d = track_of("decode")
+    _, _, dpeers = d.transfers()
+    total = next(x for x in dpeers if x.peer == "(all)")
+    page_bytes = states("decode")[-1]["pages"]["page_bytes"]
+    assert total.total_bytes == states("decode")[-1]["transfers"]["kv_pages_received"] * page_bytes
+    assert track_of("serve").transfers() == ({}, [], [])
+
+
+def test_small_helpers():
+    assert short_id("chatcmpl-61a7cc8be4e144d28fd8c4159aa55a75") == "61a7cc8b"
+    assert short_id("chatcmpl-61a7cc8be4e144d28fd8c4159aa55a75-3") == "61a7cc8b-3"
+    assert short_id("abc") == "abc"
+    assert sparkline([0, 1, 2, 4], 10) == "▁▂▄█"
+    assert sparkline([0, 0], 10) == "▁▁"
+    assert len(sparkline(list(range(50)), 16)) == 16
+
+
+# -- targets ----------------------------------------------------------------------------------------
+
+def test_parse_target():
+    assert parse_target("http://10.0.0.5:8000/").url == "http://10.0.0.5:8000"
+    assert parse_target("10.0.0.5:8101").url == "http://10.0.0.5:8101"
+    assert parse_target(":9000").url == "http://127.0.0.1:9000"
+    u = parse_target("unix:/run/trnd/decode.sock", "k")
+    assert (u.uds, u.label, u.api_key) == ("/run/trnd/decode.sock", "unix:/run/trnd/decode.sock", "k")
+
+
+def test_targets_from_local_configs(tmp_path):
+    (tmp_path / "serve.toml").write_text('host = "0.0.0.0"\nport = 8010\n')
+    (tmp_path / "prefill.toml").write_text('host = "10.1.2.3"\ncontrol_port = 8100\nadmin_port = 8111\n')
+    (tmp_path / "decode.toml").write_text('port = 8020\nprefill = ["10.1.2.3:8100"]\napi_key = "sekret"\n')
+    (tmp_path / "points.toml").write_text("[points.8k]\nmax_context = 8192\n")
+    (tmp_path / "broken.toml").write_text("this is = = not toml")
+    got = {t.url: t.api_key for t in targets_from_configs(str(tmp_path))}
+    assert got == {"http://127.0.0.1:8020": "sekret", "http://10.1.2.3:8111": None, "http://127.0.0.1:8010": None}
+    assert [t.url for t in resolve_targets(["h:1"], None, str(tmp_path))] == ["http://h:1"]
+    assert [t.url for t in resolve_targets([], None, str(tmp_path / "none"))] == ["http://127.0.0.1:8000"]
+
+
+# -- polling ----------------------------------------------------------------------------------------
+
+def test_poll_unix_socket_with_api_key(tmp_path):
+    fake = FakeTrnd(states("decode"), uds=str(tmp_path / "decode.sock")).start()
+    try:
+        async def go():
+            c = Client(parse_target(fake.url, "K"), timeout=2.0)
+            try:
+                return await c.poll(), await c.post("/admin/drain")
+            finally:
+                await c.aclose()
+
+        poll, (ok, _) = asyncio.run(go())
+        assert poll.kind == "ok" and poll.ready == "ready" and poll.state["role"] == "decode" and ok
+        assert {r[2] for r in fake.requests} == {"Bearer K"}
+        assert ("POST", "/admin/drain", "Bearer K") in fake.requests
+    finally:
+        fake.close()
+    missing = asyncio.run(Client(parse_target(f"unix:{tmp_path}/nope.sock"), 1.0).poll())
+    assert missing.state is None and missing.kind == "unreachable"
+
+
+def test_once_prints_every_target_and_fails_if_one_is_down():
+    fake = FakeTrnd(states("serve")).start()
+    down = f"127.0.0.1:{free_port()}"
+    try:
+        out = io.StringIO()
+        with redirect_stdout(out):
+            rc = top_main([fake.url, down, "--once", "--interval", "1"])
+        text = out.getvalue()
+        assert rc == 1
+        last = states("serve")[0]  # one poll: the first recording
+        lines = text.splitlines()
+        assert lines[0].split()[:3] == ["NODE", "ROLE", "MODEL"]
+        assert any(ln.startswith(down) and "unreachable" in ln and "connection refused" in ln for ln in lines)
+        for r in last["running"] + last["waiting"]:
+            assert any(ln.startswith(r["id"]) and r["state"] in ln for ln in lines)
+        assert f"cache device: {last['pages']['total']} pages" in text and "cache host:" in text
+        assert "\x1b" not in text  # plain text
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert top_main([fake.url, "--once"]) == 0
+    finally:
+        fake.close()
+
+
+def test_render_plain_of_a_disaggregated_pair():
+    text = render_plain([track_of("decode", name="d:8000"), track_of("prefill", name="p:8101")])
+    assert "decode 8k" in text and "prefill 8k" in text
+    assert "transfers: handoffs" in text and "peer 127.0.0.1:18200 (prefill, ok)" in text
+
+
+def test_ui_stays_responsive_with_a_slow_and_a_refused_target():
+    slow = FakeTrnd(states("serve"), delay=30.0).start()
+    refused_port = free_port()
+    try:
+        async def go():
+            app = TopApp([parse_target(slow.url), parse_target(f"127.0.0.1:{refused_port}")], interval=0.5)
+            async with app.run_test(size=(100, 30)) as pilot:
+                assert await until(pilot, lambda: slow.pending > 0)
+                started = time.monotonic()
+                await pilot.press("2")  # handled while the slow poll is pending
+                assert app.query_one("TabbedContent").active == "batch"
+                assert time.monotonic() - started < 0.5 and slow.pending > 0
+                slow_t, refused_t = app.tracks
+                assert await until(pilot, lambda: slow_t.status == "slow" and refused_t.status == "unreachable")
+                assert slow_t.poll.error == "no answer in 0.4 s" and refused_t.poll.error == "connection refused"
+                # one worker per target never overlaps itself: at most one request pair in flight
+                assert slow.pending <= 2
+                # the refused target comes up: it recovers by itself
+                fake = FakeTrnd(states("serve"), port=refused_port).start()
+                try:
+                    assert await until(pilot, lambda: refused_t.status == "ready")
+                    await pilot.pause(0.1)
+                    assert app.query_one(BatchPanel).rows
+                finally:
+                    fake.close()
+                await pilot.press("q")
+
+        asyncio.run(go())
+    finally:
+        slow.close()
+
+
+def test_api_key_errors_show_as_error():
+    fake = FakeTrnd(states("serve")).start()
+    try:
+        async def go():
+            app = TopApp([parse_target(fake.url, "K")], interval=0.5)
+            async with app.run_test() as pilot:
+                assert await until(pilot, lambda: app.tracks[0].status == "ready")
+                assert fake.requests[0][2] == "Bearer K"
+                await pilot.press("q")
+
+        asyncio.run(go())
+    finally:
+        fake.close()
+
+
+# -- a real trnd serve ------------------------------------------------------------------------------
+
+KEY = "top-test-key"
+
+
+class Traffic:
+    """Streaming chat requests that keep running (ignore_eos, many tokens) on background threads."""
+
+    def __init__(self, port: int):
+        self.port, self.threads = port, []
+
+    def start(self, n: int, max_tokens: int = 6000) -> None:
+        for i in range(n):
+            body = {"model": "tiny-qwen3", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+                    "session_id": f"top-{len(self.threads)}",
+                    "messages": [{"role": "user", "content": f"tell me a long story number {i}"}]}
+            th = threading.Thread(target=self._run, args=(body,), daemon=True)
+            th.start()
+            self.threads.append(th)
+
+    def _run(self, body) -> None:
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/chat/completions", json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass
+
+    def stop(self) -> None:
+        """Abort whatever still runs (the streams then end)."""
+        try:
+            st = admin(self.port)
+            for r in st["running"] + st["waiting"]:
+                httpx.post(f"http://127.0.0.1:{self.port}/admin/abort/{r['id']}", timeout=10,
+                           headers={"Authorization": f"Bearer {KEY}"})
+        except httpx.HTTPError:
+            pass
+        for th in self.threads:
+            th.join(10)
+
+
+def admin(port: int) -> dict:
+    return httpx.get(f"http://127.0.0.1:{port}/admin/state", headers={"Authorization": f"Bearer {KEY}"},
+                     timeout=10).json()
+
+
+@pytest.fixture
+def served(tiny_qwen3):
+    proc, port = start_serve(tiny_qwen3, "--api-key", KEY, "--kv-memory-gb", "0.02", "--max-batch", "8",
+                             "--threads", "1")
+    traffic = Traffic(port)
+    try:
+        wait_ready(port, proc)
+        yield port, traffic
+    finally:
+        traffic.stop()
+        stop(proc)
+
+
+def _bar_blocks(app) -> int:
+    card = app.query_one(CacheCard)
+    return card.render().plain.split("\n")[1].count("█")
+
+
+@pytest.mark.slow
+def test_live_batch_cache_abort_and_drain(served):
+    port, traffic = served
+
+    async def go():
+        app = TopApp([parse_target(f"127.0.0.1:{port}", KEY)], interval=0.3)
+        async with app.run_test(size=(120, 36)) as pilot:
+            track = app.tracks[0]
+            assert await until(pilot, lambda: track.status == "ready")
+            await pilot.press("3")
+            await pilot.pause(0.1)
+            assert _bar_blocks(app) == 0  # idle: no page in use
+
+            await asyncio.to_thread(traffic.start, 3)
+            running = await until(pilot, lambda: len(admin(port)["running"]) == 3 and admin(port)["running"], 30)
+            rids = {r["id"] for r in running}
+            await pilot.press("2")
+            batch = app.query_one(BatchPanel)
+            table = batch.query_one("DataTable")
+            assert await until(pilot, lambda: {r.id for r in batch.rows.values()} == rids)
+            assert table.row_count == 3
+            assert await until(pilot, lambda: all(r.generated > 0 and r.state == "decoding"
+                                                  for r in batch.rows.values()))
+            await pilot.press("3")
+            assert await until(pilot, lambda: _bar_blocks(app) > 0)  # the device bar moved
+
+            # enter opens the request's detail screen
+            await pilot.press("2")
+            table.move_cursor(row=1)
+            target = batch.selected()
+            await pilot.press("enter")
+            assert isinstance(app.screen, RequestScreen) and app.screen.key == target.key
+            await pilot.press("escape")
+
+            # abort: cancelled first (nothing happens), then confirmed
+            await pilot.press("a")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("n")
+            await pilot.pause(0.5)
+            assert target.id in {r["id"] for r in admin(port)["running"]}
+            assert batch.selected().id == target.id  # the cursor stayed on its row across refreshes
+            await pilot.press("a", "y")
+            assert await until(pilot, lambda: target.id not in {r["id"] for r in admin(port)["running"]}, 10)
+            assert await until(pilot, lambda: target.key not in batch.rows)
+            assert len(admin(port)["running"]) == 2
+
+            # drain the node from the nodes panel
+            await pilot.press("1", "d")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+            ready = lambda: httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code  # noqa: E731
+            assert await until(pilot, lambda: ready() == 503, 10)
+            assert await until(pilot, lambda: track.status == "draining")
+            nodes = app.query_one(NodesPanel).query_one("DataTable")
+            assert nodes.get_cell_at((0, 2)).plain == "draining"
+            await pilot.press("q")
+
+    asyncio.run(go())
+
+
+def test_live_once_and_evict(served):
+    port, traffic = served
+    traffic.start(2, max_tokens=4000)
+    deadline = time.time() + 30
+    while time.time() < deadline and len(admin(port)["running"]) < 2:
+        time.sleep(0.1)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = top_main([f"http://127.0.0.1:{port}", "--api-key", KEY, "--once"])
+    assert rc == 0
+    text = out.getvalue()
+    assert "top-0" in text and "top-1" in text and "decoding" in text and "ready" in text
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert top_main([f"http://127.0.0.1:{port}", "--once"]) == 1  # no key: 401, an error
+    assert "HTTP 401" in out.getvalue()
+    traffic.stop()
+    assert admin(port)["pages"]["cached"] > 0
+
+    async def go():
+        app = TopApp([parse_target(f"127.0.0.1:{port}", KEY)], interval=0.3)
+        async with app.run_test() as pilot:
+            assert await until(pilot, lambda: app.tracks[0].status == "ready")
+            await pilot.press("e", "y")
+            assert await until(pilot, lambda: admin(port)["pages"]["cached"] == 0)
+            await pilot.press("q")
+
+    asyncio.run(go())
