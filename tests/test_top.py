@@ -79,7 +79,7 @@ class FakeTrnd:
             writer.write(f"HTTP/1.1 {code} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
                          f"Connection: close\r\n\r\n".encode() + data)
             await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
             self.pending -= 1
@@ -104,6 +104,10 @@ class FakeTrnd:
     def close(self) -> None:
         async def shut():
             self.server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(shut(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -315,7 +319,8 @@ def test_once_prints_every_target_and_fails_if_one_is_down():
 def test_render_plain_of_a_disaggregated_pair():
     text = render_plain([track_of("decode", name="d:8000"), track_of("prefill", name="p:8101")])
     assert "decode 8k" in text and "prefill 8k" in text
-    assert "transfers: handoffs" in text and "peer 127.0.0.1:18200 (prefill, ok)" in text
+    handoffs = states("decode")[-1]["transfers"]["handoffs"]
+    assert f"handoffs {handoffs}," in text and "peer 127.0.0.1:18200 (prefill, ok)" in text
 
 
 def test_ui_stays_responsive_with_a_slow_and_a_refused_target():
@@ -518,3 +523,43 @@ def test_live_once_and_evict(served):
             await pilot.press("q")
 
     asyncio.run(go())
+
+
+# -- themes -----------------------------------------------------------------------------------------
+
+def _contrast(a, b) -> float:
+    def lum(c):
+        f = [v / 255 for v in c]
+        f = [v / 12.92 if v <= 0.03928 else ((v + 0.055) / 1.055) ** 2.4 for v in f]
+        return 0.2126 * f[0] + 0.7152 * f[1] + 0.0722 * f[2]
+
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.parametrize("theme", ["textual-dark", "textual-light"])
+def test_panel_text_is_readable_in_dark_and_light_themes(theme):
+    """Every glyph the panels draw (header, tabs, footer and scrollbars are Textual's) keeps a WCAG
+    contrast of at least 2.5 against its background: semantic theme colors, not fixed dark ones."""
+    from .test_top_snapshots import CLUSTER, recorded
+
+    async def go():
+        app, feed = recorded(CLUSTER, down=True, theme=theme)
+        worst = (99.0, "")
+        async with app.run_test(size=(100, 40)) as pilot:
+            await feed(pilot)
+            for key in "1234":
+                await pilot.press(key)
+                await pilot.pause(0.6)
+                strips = app.screen._compositor.render_strips()
+                for strip in strips[3:-1]:  # below the header and tabs, above the footer
+                    for seg in strip:
+                        text = seg.text.strip(" ▏▎▍▌▋▊▉")
+                        if not text or seg.style is None or seg.style.color is None or seg.style.bgcolor is None:
+                            continue
+                        c = _contrast(seg.style.color.get_truecolor(), seg.style.bgcolor.get_truecolor())
+                        worst = min(worst, (c, f"panel {key}: {text[:20]!r}"))
+        return worst
+
+    worst, where = asyncio.run(go())
+    assert worst >= 2.5, f"{where} has contrast {worst:.2f} in {theme}"

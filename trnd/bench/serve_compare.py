@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import socket
@@ -171,6 +172,9 @@ class Server:
             out.append((pid, cmd))
         return out
 
+    def has_decode(self) -> bool:
+        return any(" -m trnd decode " in f" {cmd} " for _, cmd in self.pids())
+
     def decode_pid(self) -> int:
         """The process that runs decode steps: the decode role of a local deployment, else the server."""
         if self.key == "trnd-disagg":
@@ -201,6 +205,8 @@ class Ctx:
 def make_server(key: str, ctx: Ctx) -> Server:
     port = free_port()
     env = dict(os.environ)
+    if key == "trnd-disagg-roles":
+        return roles_server(ctx, port, env)
     if key.startswith("trnd"):
         cmd = [sys.executable, "-m", "trnd", "serve", "--model", ctx.model, "--host", "127.0.0.1", "--port",
                str(port), "--dtype", "bfloat16", "--no-prefix-cache", "--threads", str(ctx.threads)]
@@ -215,6 +221,22 @@ def make_server(key: str, ctx: Ctx) -> Server:
     cmd = [*ctx.vllm(), "serve", ctx.model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
            "--dtype", "bfloat16", "--no-enable-prefix-caching"]
     return Server(key, cmd, env, port, ctx.out / f"{key}.log", "/health")
+
+
+def roles_server(ctx: Ctx, port: int, env: dict[str, str]) -> Server:
+    """The local disaggregated deployment started from the role CLIs (what `trnd serve` is meant to
+    start): `trnd prefill` in the background and `trnd decode` exec'd as the group leader."""
+    secret = ctx.out / "control_secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    control, admin = free_port(), free_port()
+    common = ["--model", ctx.model, "--dtype", "bfloat16", "--threads", str(ctx.threads), "--no-prefix-cache",
+              "--secret-file", str(secret), "--host", "127.0.0.1"]
+    py = [sys.executable, "-m", "trnd"]
+    pre = [*py, "prefill", *common, "--control-port", str(control), "--admin-port", str(admin)]
+    dec = [*py, "decode", *common, "--port", str(port), "--prefill", f"127.0.0.1:{control}"]
+    line = " ".join(map(shlex.quote, pre)) + " & exec " + " ".join(map(shlex.quote, dec))
+    return Server("trnd-disagg", ["/bin/sh", "-c", line], env, port, ctx.out / "trnd-disagg-roles.log", "/ready")
 
 
 def shown(cmd: list[str], env: dict[str, str] | None = None, ctx: Ctx | None = None) -> str:
@@ -420,7 +442,7 @@ def profile_text(key: str, s: dict, conc: int, seconds: float) -> str:
     total = s["total"] or 1
     t = (f"**{SERVERS[key]}** — {what} (pid {s['pid']}), {seconds:.0f} s at concurrency {conc}, 100 Hz, "
          f"{s['total']} non-idle samples over all threads. Samples by thread: "
-         + ", ".join(f"{th.split(' (')[0] if th.startswith('thread') else th} {n / total:.0%}"
+         + ", ".join(f"{th.split('): ', 1)[-1]} {n / total:.0%}"
                      for th, n in s["threads"][:4]) + ".\n\n")
     t += "| Where (leaf-most trnd/library frame) | Share of samples |\n|---|---:|\n"
     t += "".join(f"| {c} | {n / total:.1%} |\n" for c, n in s["categories"])
@@ -473,6 +495,8 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          f"{a.num_prompts} x {a.output_len} = {a.num_prompts * a.output_len} output tokens "
          "(`total_output_tokens` in the result JSON); a row that did not says so.",
          "", tables(results, concs)]
+    if info.get("notes"):
+        t += ["Notes on this run:", "", *[f"- {n}" for n in info["notes"]], ""]
     if info.get("errors"):
         t += ["Errors in this run:", "", *[f"- {e}" for e in info["errors"]], ""]
     t += ["### Commands", "", "```bash", "# the peer, in its own venv outside the repo (PEERS.md):",
@@ -549,7 +573,7 @@ def main(args) -> int:
     ctx = Ctx(model, peer_py, str(wrapper), out, args.threads or os.cpu_count() or 1, args)
     facts = machine_facts()
     info = {"model": model, "peer": peer_versions(peer_py), "torch": torch.__version__, "load": {}, "ready_s": {},
-            "errors": []}
+            "errors": [], "notes": []}
     print(f"trnd bench serve-compare: {model}; servers {keys}; concurrency {concs}; {ctx.threads} threads; "
           f"results, logs and profiles in {out}\n  {facts['nproc']} cores, {facts['cpu']}; {info['peer']}", flush=True)
     results: dict[str, dict[int, dict]] = {}
@@ -563,6 +587,17 @@ def main(args) -> int:
         try:
             srv.start()
             info["ready_s"][key] = srv.wait_ready(args.ready_timeout)
+            if key == "trnd-disagg" and not srv.has_decode():
+                msg = ("`trnd serve` (no --aggregated) started no `trnd decode` process: it ran aggregated "
+                       "(trnd/roles/serve.py never calls trnd/roles/local.py); measured the roles started "
+                       "directly instead, as trnd/roles/local.py would")
+                print(f"  WARNING: {msg}", flush=True)
+                info["notes"].append(msg)
+                srv.stop()
+                srv = make_server("trnd-disagg-roles", ctx)
+                ctx.commands[-1] = shown(srv.cmd, srv.env, ctx).replace(str(srv.port), "$PORT")
+                srv.start()
+                info["ready_s"][key] = srv.wait_ready(args.ready_timeout)
             print(f"  ready in {info['ready_s'][key]:.0f} s, model name {srv.model_name!r}", flush=True)
             results[key] = {}
             for c in concs:

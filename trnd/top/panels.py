@@ -233,7 +233,7 @@ def bar(width: int, in_use: int, cached: int, total: int) -> Content:
         cells[cells.index(max(cells))] -= 1
     free = width - sum(cells)
     return Content.from_markup(f"[$error]{'█' * cells[0]}[/][$primary]{'▓' * cells[1]}[/]"
-                               f"[$foreground 35%]{'░' * free}[/]")
+                               f"[$foreground 50%]{'░' * free}[/]")
 
 
 class CacheCard(Static):
@@ -261,7 +261,7 @@ class CacheCard(Static):
                          + Content(f" {pct}"))
             size = f" × {fmt_bytes(tier.page_bytes)}" if tier.page_bytes else ""
             legend = (f"[$error]█[/] in use {tier.in_use}  " if tier.name == "device" or tier.in_use else "") + \
-                f"[$primary]▓[/] cached {tier.cached}  [$foreground 35%]░[/] free {tier.free}  / {tier.total}{size}"
+                f"[$primary]▓[/] cached {tier.cached}  [$foreground 50%]░[/] free {tier.free}  / {tier.total}{size}"
             rates = [f"hit {tier.hit_rate:.1%}"] if tier.hit_rate is not None else []
             rates += [f"{what} {fmt_rate(x)}/s" for what, x in (("evict", tier.evict_per_s),
                                                                  ("load", tier.load_per_s),
