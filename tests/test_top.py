@@ -550,7 +550,7 @@ def test_panel_text_is_readable_in_dark_and_light_themes(theme):
             await feed(pilot)
             for key in "1234":
                 await pilot.press(key)
-                await pilot.pause(0.6)
+                await pilot.pause(0.3)
                 strips = app.screen._compositor.render_strips()
                 for strip in strips[3:-1]:  # below the header and tabs, above the footer
                     for seg in strip:

@@ -95,6 +95,7 @@ def _bench_parser(sub) -> None:
     e.add_argument("--batches", default="1,8,32")
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--skip-hf", action="store_true", help="measure trnd only")
+    e.add_argument("--tp", type=int, default=1, help="N > 1: trnd at TP=N against trnd at TP=1 (no transformers)")
     d = bsub.add_parser("disagg", help="NIXL throughput vs memcpy; TTFT disaggregated vs aggregated, pipelining "
                                        "on and off")
     d.add_argument("--model", default="small", help="model dir or preset (default small)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import resource
 import time
 
@@ -22,13 +23,14 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(10, vocab - 1, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def _trnd_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[int]) -> dict:
+def _trnd_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[int], tp: int = 1) -> dict:
     from trnd.engine.request import SamplingParams
     from trnd.llm import LLM
 
     biggest = max(batches) * (DECODE_PROMPT + new) + prompt_len
     llm = LLM(model, dtype=dtype, page_size=16, num_pages=biggest // 16 + 64, max_batch=max(batches),
-              prefix_cache=False, chunk_size=2048, token_budget=2048)
+              prefix_cache=False, chunk_size=2048, token_budget=2048, tp=tp,
+              threads=max(1, (os.cpu_count() or 1) // tp))
     vocab = llm.engine.model_config.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate(_prompts(1, 32, vocab, 99), one)  # warm-up
@@ -47,6 +49,7 @@ def _trnd_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[
         total = time.perf_counter() - t
         assert all(len(o.token_ids) == new + 1 for o in outs)
         res[f"decode_b{b}_s"] = total - t_pre
+    llm.engine.close()
     return res
 
 
@@ -82,7 +85,10 @@ def _hf_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[in
 
 
 def _child(side: str, args: tuple, conn) -> None:
-    fn = _trnd_side if side == "trnd" else _hf_side
+    if side.startswith("trnd-tp"):
+        fn, args = _trnd_side, (*args, int(side.removeprefix("trnd-tp")))
+    else:
+        fn = _trnd_side if side == "trnd" else _hf_side
     try:
         res = fn(*args)
         res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -142,8 +148,12 @@ def main(args) -> int:
     a = (model, args.dtype, args.prompt_len, args.new_tokens, batches)
     print(f"trnd bench engine: model {model}, dtype {args.dtype}, prefill {args.prompt_len} tokens, "
           f"decode {args.new_tokens} tokens at batch {batches}", flush=True)
-    ours = run_side("trnd", a)
-    theirs = None if args.skip_hf else run_side("hf", a)
+    if args.tp > 1:  # TP=1 vs TP=N, both trnd
+        ours, theirs = run_side(f"trnd-tp{args.tp}", a), run_side("trnd", a)
+        print(f"comparing trnd TP={args.tp} (first column) with trnd TP=1 (second column)")
+    else:
+        ours = run_side("trnd", a)
+        theirs = None if args.skip_hf else run_side("hf", a)
     bw = read_bandwidth_gbs()
     wb = weight_bytes(model)
     rows = [("prefill tok/s", args.prompt_len / ours["prefill_s"],
