@@ -32,6 +32,10 @@ class AttnMeta:
     decode_pages: torch.Tensor | None  # [num_decode, max_pages] page table, padded with any valid page
     decode_ctx: torch.Tensor | None  # [num_decode] context length including the new token
     prefill: list[PrefillSeq]
+    # The static (bucketed) path, engine/static.py: the whole batch is one sequence's chunk, padded, attended
+    # with `chunk_attention` over its padded page table. None on the eager path.
+    chunk_pages: torch.Tensor | None = None  # [W] page table, padded
+    chunk_pos: torch.Tensor | None = None  # [T] position of each query token
 
 
 def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> None:
@@ -76,5 +80,20 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     q_pos = prior + torch.arange(seq.q_len, device=q.device)
     mask = torch.arange(seq.ctx_len, device=q.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(qh, k[None], v[None], attn_mask=mask[None, None],
+                                         scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def chunk_attention(q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, q_pos: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Prefill without data-dependent shapes (the static path): q [T, Hq, D], one sequence's chunk padded to a
+    bucket; pages [W] its page table padded to a bucket; q_pos [T] each query's position. The chunk's own K/V
+    are already in the pages (written first, as in the eager path), so every key is read from the pool and
+    query i sees key j iff j <= q_pos[i]: the prefix length is data, never a shape, so one compiled graph
+    serves every chunk of a (T, W) bucket. Padding keys (past the context) are masked; padding queries
+    (q_pos 0) see key 0 and their rows are discarded."""
+    k, v = _gather(kv, layer, pages)  # [Hk, W * P, D]
+    mask = torch.arange(k.shape[-2], device=q.device)[None, :] <= q_pos[:, None]  # [T, W * P]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask[None, None],
                                          scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

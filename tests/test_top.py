@@ -563,3 +563,73 @@ def test_panel_text_is_readable_in_dark_and_light_themes(theme):
 
     worst, where = asyncio.run(go())
     assert worst >= 2.5, f"{where} has contrast {worst:.2f} in {theme}"
+
+
+# -- the batch table, pause, filter (recorded states, no network) -----------------------------------
+
+def test_batch_table_is_updated_by_diff_and_keeps_the_selection():
+    seq = states("decode")
+
+    async def go():
+        app = TopApp([parse_target("d:8000")], autopoll=False, clock=lambda: 0.0)
+        async with app.run_test(size=(120, 40)) as pilot:
+            app.apply("d:8000", Poll(seq[5], ready="ready"))
+            await pilot.press("2", "s")  # sort by tok/s: the order changes between snapshots
+            await pilot.pause()
+            batch = app.query_one(BatchPanel)
+            table = batch.query_one("DataTable")
+            table.move_cursor(row=3)
+            chosen = batch.selected()
+            app.apply("d:8000", Poll(seq[6], ready="ready"))  # new requests, new rates, a new order
+            await pilot.pause()
+            after = {r["id"] for r in seq[6]["running"] + seq[6]["waiting"]}
+            assert {r.id for r in batch.rows.values()} == after and table.row_count == len(after)
+            shown = [batch.rows[table.get_row_at(i)[0].row_key] for i in range(table.row_count)]
+            running = [r.tokens_per_s or 0 for r in shown if not r.queued]
+            assert running == sorted(running, reverse=True)
+            assert chosen.id in after and batch.selected().id == chosen.id  # the cursor followed its row
+
+            # next snapshot: one request gone, one generated a token more, the rest identical
+            nxt = copy.deepcopy(seq[6])
+            nxt["uptime_s"] += 0.5
+            gone = nxt["running"].pop(0)
+            grown = nxt["running"][0]
+            grown["generated_tokens"] += 1
+            calls = []
+            original = table.update_cell
+            table.update_cell = lambda *a, **k: (calls.append((a[0], a[1])), original(*a, **k))[1]
+            app.apply("d:8000", Poll(nxt, ready="ready"))
+            await pilot.pause()
+            assert calls == [(f"d:8000\t{grown['id']}", "gen")]
+            assert gone["id"] not in {r.id for r in batch.rows.values()} and table.row_count == len(after) - 1
+
+    asyncio.run(go())
+
+
+def test_pause_freezes_the_screen_and_filter_narrows_it():
+    seq = states("serve")
+
+    async def go():
+        app = TopApp([parse_target("s:8000")], autopoll=False, clock=lambda: 0.0)
+        async with app.run_test(size=(100, 30)) as pilot:
+            app.apply("s:8000", Poll(seq[0], ready="ready"))
+            await pilot.press("2")
+            batch = app.query_one(BatchPanel)
+            first = {r.id: r.generated for r in batch.rows.values()}
+            await pilot.press("p")
+            assert "PAUSED" in app.sub_title
+            app.apply("s:8000", Poll(seq[1], ready="ready"))
+            await pilot.pause()
+            assert {r.id: r.generated for r in batch.rows.values()} == first
+            await pilot.press("p")
+            await pilot.pause()
+            assert {r.id: r.generated for r in batch.rows.values()} != first
+            # filter by session, then esc clears it
+            one = seq[1]["running"][0]["session_id"]
+            await pilot.press("slash", *one, "enter")
+            assert [r.session for r in batch.rows.values()] == [one]
+            assert batch.query_one("DataTable").row_count == 1
+            await pilot.press("slash", "escape")
+            assert len(batch.rows) == len(seq[1]["running"]) + len(seq[1]["waiting"])
+
+    asyncio.run(go())

@@ -52,6 +52,7 @@ def _role_flags(p) -> None:
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False)
     p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
+    p.add_argument("--store", action="append", metavar="HOST:PORT", help="L3: a remote KV store (repeatable)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 

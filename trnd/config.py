@@ -54,6 +54,11 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host_cache_gb: Annotated[float, Meta(ge=0)] = 0.0  # L2: evicted prefix pages kept in host DRAM; 0 = off
     host_policy: str = "write-back"  # write-back (on eviction) or write-through (on finish)
     node_host_memory_gb: Annotated[float, Meta(gt=0)] | None = None  # budget shared by all trnd processes
+    store: list[str] = msgspec.field(default_factory=list)  # L3 remote KV stores, host:port; [] = off
+    store_on_finish: bool = True  # write finished requests' full pages to L3 (sessions across roles)
+    store_deadline_s: Annotated[float, Meta(gt=0)] = 1.0  # a slower store is a cache miss
+    secret: str | None = None  # control-plane secret (prefill peers, stores); prefer secret_file
+    secret_file: str | None = None
     aggregated: bool = False  # serve only: one process instead of a local prefill + decode deployment
     point: str = "8k"  # decode point of the local deployment's roles
     prefill_control_port: Port | None = None  # local deployment: fixed ports for the prefill role
@@ -61,6 +66,11 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self):
         _check_common(self)
+
+    def resolved_secret_optional(self) -> bytes | None:
+        if self.secret_file:
+            return Path(os.path.expandvars(self.secret_file)).read_bytes().strip()
+        return self.secret.encode() if self.secret else None
 
     def resolved_api_key(self) -> str | None:
         if self.api_key_file:
@@ -117,6 +127,9 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host_cache_gb: Annotated[float, Meta(ge=0)] = 0.0
     host_policy: str = "write-back"
     node_host_memory_gb: Annotated[float, Meta(gt=0)] | None = None
+    store: list[str] = msgspec.field(default_factory=list)  # L3 remote KV stores, host:port; [] = off
+    store_on_finish: bool = True  # write finished requests' full pages to L3 (sessions across roles)
+    store_deadline_s: Annotated[float, Meta(gt=0)] = 1.0  # a slower store is a cache miss
 
     def __post_init__(self):
         _check_common(self)
@@ -140,10 +153,7 @@ class PrefillConfig(RoleConfig, kw_only=True):
 
 
 class DecodeConfig(ServeConfig, kw_only=True):
-    point: str = "8k"
     prefill: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8100"])  # host:port of prefill peers
-    secret: str | None = None
-    secret_file: str | None = None
     heartbeat_s: Annotated[float, Meta(gt=0)] = 1.0
     peer_timeout_s: Annotated[float, Meta(gt=0)] = 3.0  # no frame for this long: the peer is dead
     fence_s: Annotated[float, Meta(ge=0)] = 2.0  # after losing a peer, its target pages rest this long

@@ -163,7 +163,8 @@ def main(args) -> int:
         rows.append((f"decode tok/s b={b}", b * args.new_tokens / ours[k],
                      theirs and b * args.new_tokens / theirs[k]))
     rows.append(("peak RSS MB", ours["peak_rss_mb"], theirs and theirs["peak_rss_mb"]))
-    print(f"{'metric':<20}{'trnd':>12}{'transformers':>14}{'ratio':>8}")
+    names = (f"trnd TP={args.tp}", "trnd TP=1") if args.tp > 1 else ("trnd", "transformers")
+    print(f"{'metric':<20}{names[0]:>12}{names[1]:>14}{'ratio':>8}")
     for name, o, t in rows:
         ratio = f"{o / t:.2f}x" if t else "-"
         print(f"{name:<20}{o:>12.1f}{(t or 0):>14.1f}{ratio:>8}")

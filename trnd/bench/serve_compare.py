@@ -299,7 +299,9 @@ def run_bench(ctx: Ctx, srv: Server, conc: int) -> dict:
 # -- profile --------------------------------------------------------------------------------------------------
 
 # (category, test on (function, file)); the first that matches, walking from the sampled leaf to the root.
+WAITS = ("Condition.wait", "Event.wait", "Runner.run", "select", "poll", "sleep", "_worker", "Thread.join")
 CATEGORIES = [
+    ("waiting: engine idle-poll, event loop in uvloop's C code", lambda fn, f: False),  # leaf in WAITS, below
     ("attention: page gather", lambda fn, f: f.endswith("kernels/attention.py") and fn == "_gather"),
     ("attention: KV write", lambda fn, f: f.endswith("kernels/attention.py") and fn == "write_kv"),
     ("attention: SDPA + mask", lambda fn, f: f.endswith("kernels/attention.py")),
@@ -339,7 +341,10 @@ def summarize_profile(raw: str) -> dict:
         if frames:
             fn, f = parse_frame(frames[-1])
             leaves[f"{fn} ({'/'.join(Path(f).parts[-2:])}:{frames[-1].rsplit(':', 1)[-1][:-1]})"] += n
-        for fr in reversed(frames):
+        cat = None
+        if frames and parse_frame(frames[-1])[0] in WAITS:
+            cat = CATEGORIES[0][0]  # py-spy samples a thread in a short timed wait or in native epoll as busy
+        for fr in reversed(frames if cat is None else []):
             fn, f = parse_frame(fr)
             cat = next((c for c, test in CATEGORIES if test(fn, f)), None)
             if cat:
@@ -465,7 +470,7 @@ def note(profiles: dict) -> str:
                    f"scheduler and batch bookkeeping, {share('sampler'):.0%} sampling, "
                    f"{share('HTTP / JSON / asyncio'):.0%} HTTP/JSON/asyncio, "
                    f"{share('KV transfer + role plumbing'):.0%} KV transfer and role plumbing, "
-                   f"{share('other'):.0%} other.")
+                   f"{share(CATEGORIES[0][0]):.0%} waiting, {share('other'):.0%} other.")
     return " ".join(out)
 
 

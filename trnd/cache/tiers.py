@@ -4,26 +4,36 @@ Wraps the radix cache rather than adding fields to its nodes: the radix cache's 
 pages down (write-back), a finished request's pages can go down at once (write-through, and to the
 remote store for the next turn of a session), and admission asks the lower tiers for the pages that
 follow a device hit. Every tier names a page by the same chained hash (cache/hashing.py).
+
+Remote operations are futures (the store client runs its own thread); pages they touch stay owned
+here — pool references — until they resolve, so a page is never reused under a transfer.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 
 from trnd.cache.hashing import page_hashes
 from trnd.cache.host import HostTier
+from trnd.cache.pages import PagePool
 from trnd.cache.radix import RadixCache
 
 POLICIES = ("write-back", "write-through")
 
 
 class Tiers:
-    def __init__(self, radix: RadixCache, page_size: int, namespace: str, host: HostTier | None = None,
-                 policy: str = "write-back"):
+    def __init__(self, radix: RadixCache, pool: PagePool, page_size: int, namespace: str,
+                 host: HostTier | None = None, policy: str = "write-back", remote=None,
+                 remote_on_finish: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"host_policy = {policy!r} is not one of {', '.join(POLICIES)}")
-        self.radix, self.page_size, self.namespace = radix, page_size, namespace
+        self.radix, self.pool, self.page_size, self.namespace = radix, pool, page_size, namespace
         self.host, self.policy = host, policy
+        self.remote, self.remote_on_finish = remote, remote_on_finish
+        self._writes: list[tuple[concurrent.futures.Future, list[int]]] = []  # pages held until written
+        self._fenced: list[int] = []  # pages a timed-out remote read may still write into
+        self.remote_written = 0
         if host is not None and policy == "write-back":
             radix.on_evict = self._evicted
 
@@ -35,8 +45,16 @@ class Tiers:
 
     def on_release(self, token_ids: Sequence[int], pages: list[int]) -> None:
         """A request's full pages went into the device cache (finish, abort or preemption)."""
+        if self.host is None and self.remote is None:
+            return
+        hashes = self.hashes(token_ids)
         if self.host is not None and self.policy == "write-through":
-            self.host.put(self.hashes(token_ids), pages)
+            self.host.put(hashes, pages)
+        if self.remote is not None and self.remote_on_finish and pages:
+            self.pool.ref(pages)
+            self._writes.append((self.remote.write(hashes, list(pages)), list(pages)))
+
+    # -- loads --------------------------------------------------------------------------------------
 
     def host_probe(self, hashes: list[bytes]) -> int:
         return self.host.probe(hashes) if self.host is not None else 0
@@ -44,8 +62,48 @@ class Tiers:
     def host_load(self, hashes: list[bytes], pages: list[int]) -> int:
         return self.host.load(hashes, pages) if self.host is not None else 0
 
+    def remote_lookup(self, hashes: list[bytes]) -> concurrent.futures.Future:
+        return self.remote.lookup(hashes)
+
+    def remote_read(self, hashes: list[bytes], pages: list[int]) -> concurrent.futures.Future:
+        return self.remote.read(hashes, pages)
+
+    def settle_read(self, pages: list[int], loaded: int) -> None:
+        """After a remote read resolved: release the pages past `loaded`, later if a transfer that
+        outlived its deadline may still write into them."""
+        rest = pages[loaded:]
+        fenced = self.remote.fenced() if rest else set()
+        self._fenced += [p for p in rest if p in fenced]
+        free = [p for p in rest if p not in fenced]
+        if free:
+            self.pool.unref(free)
+
+    # -- housekeeping (engine thread, every step) ---------------------------------------------------
+
+    def poll(self) -> None:
+        if self._writes:
+            keep = []
+            for fut, pages in self._writes:
+                if fut.done():
+                    self.remote_written += fut.result() if not fut.exception() else 0
+                    self.pool.unref(pages)
+                else:
+                    keep.append((fut, pages))
+            self._writes = keep
+        if self._fenced:
+            still = self.remote.fenced()
+            done = [p for p in self._fenced if p not in still]
+            self._fenced = [p for p in self._fenced if p in still]
+            if done:
+                self.pool.unref(done)
+
+    def held_pages(self) -> list[list[int]]:
+        return [pages for _, pages in self._writes] + [self._fenced]
+
     def reset(self) -> int:
         return self.host.reset() if self.host is not None else 0
 
     def stats(self) -> dict:
-        return {"policy": self.policy, "host": self.host.stats() if self.host is not None else None}
+        return {"policy": self.policy, "host": self.host.stats() if self.host is not None else None,
+                "remote": ({**self.remote.state(), "writes_in_flight": len(self._writes),
+                            "pages_written": self.remote_written} if self.remote is not None else None)}

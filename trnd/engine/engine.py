@@ -47,6 +47,11 @@ class EngineConfig:
     host_cache_gb: float = 0.0  # L2 host-DRAM tier for evicted prefix pages; 0: off
     host_policy: str = "write-back"  # or write-through
     node_host_memory_gb: float | None = None  # node-wide budget shared with other trnd processes; None: no check
+    store: list[str] = field(default_factory=list)  # L3: remote KV stores (host:port); [] = off
+    store_secret: bytes | None = None  # control-plane secret the stores share
+    store_on_finish: bool = True  # write a finished request's full pages to L3 (the next turn finds them)
+    store_deadline_s: float = 1.0  # a store slower than this is a miss
+    role: str = "serve"  # names this process's NIXL agent
 
 
 @dataclass
@@ -85,6 +90,7 @@ class Engine:
         self.pools = [alloc_kv(mc, nk[1] - nk[0], num_pages, cfg.page_size, shared=cfg.tp > 1)
                       for _ in range(cfg.tp)]
         self.workers = None
+        self._agent = None
         if cfg.tp > 1:
             from trnd.engine.workers import WorkerGroup
 
@@ -119,16 +125,46 @@ class Engine:
         """Page-hash key space: the same model (config + tokenizer) and KV dtype on any node, any role."""
         return f"{fingerprint(Path(self.cfg.model))}:{str(self.model_config.dtype).removeprefix('torch.')}"
 
+    def kv_agent(self):
+        """This process's one NIXL agent, with every rank's pool registered (made on first use)."""
+        if self._agent is None:
+            import uuid
+
+            from trnd.transfer.nixl import KVAgent
+
+            self._agent = KVAgent(f"{self.cfg.role}-{uuid.uuid4().hex[:8]}", self.pools)
+        return self._agent
+
+    def layout(self):
+        from trnd.transfer.plan import Layout
+
+        mc, n = self.model_config, self.model_config.num_kv_heads
+        heads = tuple(TPGroup(r, self.tp.size).kv_heads(n) for r in range(self.tp.size))
+        return Layout(mc.num_layers, self.cfg.page_size, mc.head_dim, self.pools[0].element_size(), heads)
+
     def _make_tiers(self) -> Tiers | None:
         cfg = self.cfg
-        if not cfg.prefix_cache or cfg.host_cache_gb <= 0:
+        if not cfg.prefix_cache or (cfg.host_cache_gb <= 0 and not cfg.store):
             return None
-        row = sum(p[0].numel() * p.element_size() for p in self.pools)
-        slots = int(cfg.host_cache_gb * 2**30) // row
-        if cfg.node_host_memory_gb is not None:
-            self.budget = NodeBudget(int(cfg.node_host_memory_gb * 2**30))
-            self.budget.reserve(slots * row, "host KV tier (host_cache_gb)")
-        return Tiers(self.radix, cfg.page_size, self.namespace, HostTier(self.pools, slots), cfg.host_policy)
+        host = None
+        if cfg.host_cache_gb > 0:
+            row = sum(p[0].numel() * p.element_size() for p in self.pools)
+            slots = int(cfg.host_cache_gb * 2**30) // row
+            if cfg.node_host_memory_gb is not None:
+                self.budget = NodeBudget(int(cfg.node_host_memory_gb * 2**30))
+                self.budget.reserve(slots * row, "host KV tier (host_cache_gb)")
+            host = HostTier(self.pools, slots)
+        remote = None
+        if cfg.store:
+            from trnd.transfer.store_client import StoreClient
+
+            if not cfg.store_secret:
+                raise ValueError("store: a remote KV store needs the control-plane secret (secret_file)")
+            remote = StoreClient(cfg.store, cfg.store_secret, self.kv_agent(), self.layout(), self.pools,
+                                 self.namespace, dtype=str(self.model_config.dtype).removeprefix("torch."),
+                                 deadline_s=cfg.store_deadline_s)
+        return Tiers(self.radix, self.pool, cfg.page_size, self.namespace, host, cfg.host_policy, remote,
+                     cfg.store_on_finish)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -238,6 +274,8 @@ class Engine:
         self.scheduler._release(req)
 
     def close(self) -> None:
+        if self.tiers is not None and self.tiers.remote is not None:
+            self.tiers.remote.close()
         if self.workers:
             self.workers.close()
             self.workers = None
@@ -250,7 +288,12 @@ class Engine:
 
     def _owner_lists(self) -> list[list[int]]:
         sched = self.scheduler
-        return [r.pages for r in (*sched.running, *sched.transferring.values())] + self.extra_owners()
+        owners = [r.pages for r in (*sched.running, *sched.transferring.values())]
+        owners += [j.req.pages for j in sched.loading.values() if not j.aborted]
+        owners += [j.pages for j in sched.loading.values()]
+        if self.tiers is not None:
+            owners += self.tiers.held_pages()
+        return owners + self.extra_owners()
 
     def state(self) -> dict:
         """The /admin/state engine snapshot (schema in docs/API.md)."""

@@ -9,6 +9,7 @@ No torch here: the scheduler decides, the runner computes.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -42,6 +43,16 @@ class Batch:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
 
+@dataclass
+class RemoteLoad:
+    """A request parked while the remote store (L3) is asked for the pages after its local hits."""
+    req: Req
+    hashes: list[bytes]
+    fut: concurrent.futures.Future
+    pages: list[int] = field(default_factory=list)  # allocated for the read, owned here until it resolves
+    aborted: bool = False
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: PagePool, radix: RadixCache, remote_prefill: bool = False):
         self.cfg, self.pool, self.radix = cfg, pool, radix
@@ -53,6 +64,8 @@ class Scheduler:
         self.remote_prefill = remote_prefill
         self.transferring: dict[str, Req] = {}
         self.tiers = None  # cache/tiers.py: lower tiers asked for the pages after a device hit
+        self.loading: dict[str, RemoteLoad] = {}  # parked on a remote (L3) lookup or read
+        self._probed: set[str] = set()  # asked L3 once already (a miss is not asked again)
         self._locks: dict[str, object] = {}  # rid -> radix node locked for its borrowed prefix
 
     # -- queue operations ---------------------------------------------------------------------------
@@ -69,13 +82,20 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.transferring.pop(req.rid, None)
-        self._release(req)
+        self._probed.discard(req.rid)
+        job = self.loading.get(req.rid)
+        if job is not None:  # a remote read may still write into its pages: released when it resolves
+            job.aborted = True
+        else:
+            self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
     def find(self, rid: str) -> Req | None:
         if rid in self.transferring:
             return self.transferring[rid]
+        if rid in self.loading and not self.loading[rid].aborted:
+            return self.loading[rid].req
         return next((r for r in (*self.running, *self.waiting) if r.rid == rid), None)
 
     def kv_arrived(self, req: Req) -> None:
@@ -92,13 +112,17 @@ class Scheduler:
 
     @property
     def num_active(self) -> int:
-        return len(self.running) + len(self.transferring)
+        return len(self.running) + len(self.transferring) + len(self.loading)
 
     # -- the step -----------------------------------------------------------------------------------
 
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.cfg.token_budget
+        if self.tiers is not None:
+            self.tiers.poll()
+            if self.loading:
+                self._advance_loads()
         for req in list(self.running):
             if req not in self.running:  # preempted earlier in this loop to make room
                 continue
@@ -122,7 +146,11 @@ class Scheduler:
                 self.transferring[req.rid] = req
                 batch.remote.append(req)
                 continue
-            if not self._admit(req, budget):
+            admitted = self._admit(req, budget)
+            if admitted is None:  # parked on a remote lookup
+                self.waiting.popleft()
+                continue
+            if not admitted:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -156,7 +184,8 @@ class Scheduler:
         req.pages += self.pool.alloc(need)
         return True
 
-    def _admit(self, req: Req, budget: int, whole: bool = False) -> bool:
+    def _admit(self, req: Req, budget: int, whole: bool = False) -> bool | None:
+        """True: pages for its next chunk are committed. False: not now. None: parked on L3."""
         if req.num_computed == 0 and self.cfg.prefix_cache:
             # Match on all but the last token: at least one token must run to produce logits.
             m = self.radix.match(req.all_ids[:-1])
@@ -169,6 +198,8 @@ class Scheduler:
             req.num_cached = req.num_computed = m.num_tokens
             if self.tiers is not None:
                 self._load_lower_tiers(req)
+                if not whole and self._ask_remote(req):
+                    return None
         need = self._pages_needed(req, req.num_uncomputed if whole else self._chunk(req, budget))
         if self._reserve(need):
             req.pages += self.pool.alloc(need)
@@ -190,6 +221,44 @@ class Scheduler:
         req.pages += pages[:n]
         req.num_cached = req.num_computed = req.num_computed + n * ps
         req.num_loaded = n * ps
+
+    def _ask_remote(self, req: Req) -> bool:
+        """Park the request while L3 is asked for the full pages after its local hits."""
+        if self.tiers.remote is None or req.rid in self._probed:
+            return False
+        self._probed.add(req.rid)
+        hashes = self.tiers.hashes(req.all_ids[:-1])[len(req.pages):]
+        if not hashes:
+            return False
+        self.loading[req.rid] = RemoteLoad(req, hashes, self.tiers.remote_lookup(hashes))
+        return True
+
+    def _advance_loads(self) -> None:
+        """Lookup done -> allocate and read; read done -> the request goes back to the queue's front
+        with whatever arrived (a miss, a dead or slow store: simply less cached)."""
+        ps = self.cfg.page_size
+        for rid, job in list(self.loading.items()):
+            if not job.fut.done():
+                continue
+            n = job.fut.result() if job.fut.exception() is None else 0
+            if not job.pages and not job.aborted and n > 0 and self._reserve(n):
+                job.pages = self.pool.alloc(n)
+                job.fut = self.tiers.remote_read(job.hashes[:n], job.pages)
+                continue
+            loaded = n if job.pages else 0
+            del self.loading[rid]
+            req = job.req
+            if job.pages:
+                self.tiers.settle_read(job.pages, 0 if job.aborted else loaded)
+                if not job.aborted:
+                    req.pages += job.pages[:loaded]
+                    req.num_cached = req.num_computed = req.num_computed + loaded * ps
+                    req.num_loaded += loaded * ps
+            if job.aborted:
+                self._release(req)
+            else:
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
 
     def preempt(self, req: Req) -> None:
         """Recompute later: release the KV (to the cache, where it may still be found) and requeue first."""

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kernels import Ops
-from kernels.attention import AttnMeta
+from kernels.attention import AttnMeta, chunk_attention
 from kernels.rotary import cos_sin, inv_freq
 from trnd.model.config import ModelConfig
 from trnd.model.layers import LMHead, Linear, RMSNorm, Source, VocabEmbedding
@@ -52,7 +52,9 @@ class Attention(nn.Module):
         q, k = self.ops.apply_rotary(q, k, cos, sin)
         self.ops.write_kv(kv, self.layer, k, v, meta)
         nd = meta.num_decode
-        if nd == t:
+        if meta.chunk_pages is not None:  # static path: one padded chunk (see chunk_attention)
+            out = chunk_attention(q, kv, self.layer, meta.chunk_pages, meta.chunk_pos, self.scale)
+        elif nd == t:
             out = self.ops.decode_attention(q, kv, self.layer, meta, self.scale)
         else:
             out = torch.empty_like(q)

@@ -17,8 +17,9 @@ log = logging.getLogger("trnd.role")
 
 def build_engine(model_dir: Path, point_name: str, *, dtype, backend, tp, kv_memory_gb, prefix_cache, threads,
                  remote_prefill: bool = False, max_model_len: int | None = None, host_cache_gb: float = 0.0,
-                 host_policy: str = "write-back", node_host_memory_gb: float | None = None
-                 ) -> tuple[Engine, DecodePoint]:
+                 host_policy: str = "write-back", node_host_memory_gb: float | None = None,
+                 store: list[str] | None = None, store_secret: bytes | None = None, store_on_finish: bool = True,
+                 store_deadline_s: float = 1.0, role: str = "serve") -> tuple[Engine, DecodePoint]:
     point = get_point(point_name)
     mc = ModelConfig.from_dir(model_dir, dtype)
     from trnd.engine.runner import kv_page_bytes
@@ -38,7 +39,9 @@ def build_engine(model_dir: Path, point_name: str, *, dtype, backend, tp, kv_mem
                                  max_batch=point.max_batch, token_budget=point.prefill_chunk,
                                  chunk_size=point.prefill_chunk, prefix_cache=prefix_cache, threads=threads, tp=tp,
                                  remote_prefill=remote_prefill, host_cache_gb=host_cache_gb,
-                                 host_policy=host_policy, node_host_memory_gb=node_host_memory_gb))
+                                 host_policy=host_policy, node_host_memory_gb=node_host_memory_gb,
+                                 store=list(store or []), store_secret=store_secret,
+                                 store_on_finish=store_on_finish, store_deadline_s=store_deadline_s, role=role))
     return engine, point
 
 

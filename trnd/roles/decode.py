@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from trnd.config import DecodeConfig
@@ -23,7 +22,6 @@ from trnd.engine.sampler import SampleOut
 from trnd.engine.scheduler import Batch
 from trnd.roles.common import build_engine, layout_of, manifest
 from trnd.transfer import protocol as P
-from trnd.transfer.nixl import KVAgent
 
 log = logging.getLogger("trnd.decode")
 
@@ -62,12 +60,14 @@ class DecodeServer:
                                                kv_memory_gb=cfg.kv_memory_gb, prefix_cache=cfg.prefix_cache,
                                                threads=cfg.threads, host_cache_gb=cfg.host_cache_gb,
                                                host_policy=cfg.host_policy,
-                                               node_host_memory_gb=cfg.node_host_memory_gb, remote_prefill=True,
+                                               node_host_memory_gb=cfg.node_host_memory_gb, store=cfg.store,
+                                               store_secret=self.secret, store_on_finish=cfg.store_on_finish,
+                                               store_deadline_s=cfg.store_deadline_s, role="decode", remote_prefill=True,
                                                max_model_len=cfg.max_model_len)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "decode", model_name)
         self.layout = layout_of(self.engine)
-        self.agent = KVAgent(f"decode-{uuid.uuid4().hex[:8]}", self.engine.pools)
+        self.agent = self.engine.kv_agent()
         self.engine.on_schedule = self._dispatch
         self.engine.on_abort_transferring = self._fence
         self.engine.extra_owners = self._fenced_pages

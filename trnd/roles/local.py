@@ -37,20 +37,26 @@ def _write(path: Path, data: dict) -> Path:
 
 def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> tuple[Path, Path, int, int]:
     """prefill.toml and decode.toml for this deployment; returns (prefill, decode, control, admin port)."""
-    secret = workdir / "control_secret"
-    secret.write_text(secrets.token_hex(32))
+    if cfg.secret_file or cfg.secret:  # shared with stores the operator runs: use theirs
+        secret = workdir / "control_secret"
+        secret.write_bytes(cfg.resolved_secret_optional())
+    else:
+        secret = workdir / "control_secret"
+        secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
     control, admin = cfg.prefill_control_port or _free_port(), cfg.prefill_admin_port or _free_port()
     role = {"model": model, "point": cfg.point, "dtype": cfg.dtype, "backend": cfg.backend, "tp": cfg.tp,
             "kv_memory_gb": cfg.kv_memory_gb, "prefix_cache": cfg.prefix_cache, "threads": cfg.threads,
             "secret_file": str(secret), "log_level": cfg.log_level, "host_cache_gb": cfg.host_cache_gb,
-            "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb}
+            "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb,
+            "store": list(cfg.store), "store_on_finish": cfg.store_on_finish, "store_deadline_s": cfg.store_deadline_s}
     prefill = _write(workdir / "prefill.toml", {**role, "host": "127.0.0.1", "control_port": control,
                                                  "admin_port": admin})
     dec = msgspec.structs.asdict(cfg)
     for k in ("aggregated", "prefill_control_port", "prefill_admin_port", "page_size", "num_pages", "token_budget",
               "chunk_size", "max_batch"):
         dec.pop(k, None)  # the decode point fixes the shapes
+    dec.pop("secret", None)
     dec.update(model=model, secret_file=str(secret), prefill=[f"127.0.0.1:{control}"])
     decode = _write(workdir / "decode.toml", dec)
     return prefill, decode, control, admin

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import msgspec
@@ -25,7 +24,6 @@ from trnd.engine.output import StepOutput
 from trnd.engine.scheduler import Batch
 from trnd.roles.common import build_engine, layout_from, layout_of, manifest
 from trnd.transfer import protocol as P
-from trnd.transfer.nixl import KVAgent
 from trnd.transfer.plan import descriptors, make_plan
 
 log = logging.getLogger("trnd.prefill")
@@ -69,11 +67,13 @@ class PrefillServer:
                                                kv_memory_gb=cfg.kv_memory_gb, prefix_cache=cfg.prefix_cache,
                                                threads=cfg.threads, host_cache_gb=cfg.host_cache_gb,
                                                host_policy=cfg.host_policy,
-                                               node_host_memory_gb=cfg.node_host_memory_gb)
+                                               node_host_memory_gb=cfg.node_host_memory_gb, store=cfg.store,
+                                               store_secret=self.secret, store_on_finish=cfg.store_on_finish,
+                                               store_deadline_s=cfg.store_deadline_s, role="prefill")
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "prefill", model_name)
         self.layout = layout_of(self.engine)
-        self.agent = KVAgent(f"prefill-{uuid.uuid4().hex[:8]}", self.engine.pools)
+        self.agent = self.engine.kv_agent()
         self.engine.on_forward = self._ship
         self.engine.extra_owners = self._held_pages
         self.loop = EngineLoop(self.engine, poll=self._poll, on_output=self._on_output)

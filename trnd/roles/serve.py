@@ -42,7 +42,9 @@ def run(cfg: ServeConfig) -> int:
                                      token_budget=cfg.token_budget, chunk_size=cfg.chunk_size,
                                      prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp,
                                  host_cache_gb=cfg.host_cache_gb, host_policy=cfg.host_policy,
-                                 node_host_memory_gb=cfg.node_host_memory_gb))
+                                 node_host_memory_gb=cfg.node_host_memory_gb, store=list(cfg.store),
+                                 store_secret=cfg.resolved_secret_optional(), store_on_finish=cfg.store_on_finish,
+                                 store_deadline_s=cfg.store_deadline_s))
         try:
             life.status("warming up")
             log.info("warm-up took %.2f s", warm_up(engine))

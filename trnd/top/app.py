@@ -31,21 +31,24 @@ PANELS = ("nodes", "batch", "cache", "transfers")
 PANEL_KEYS = Binding.Group("panels", compact=True)
 
 HELP = """\
-[b]trnd top[/b]: live view of trnd nodes (serve, decode, prefill) through their /admin/state.
+[b]trnd top[/b]: trnd nodes (serve, decode, prefill) live from /admin/state.
 
-[b]1[/b] [b]2[/b] [b]3[/b] [b]4[/b]   nodes · batch · cache · transfers panel
-[b]↑ ↓[/b]       move the selection;  [b]enter[/b] on a request: its details
-[b]/[/b]         filter requests and handoffs by text (node, id, session, state); esc clears
-[b]s[/b]         cycle the batch sort: age, tok/s, generated, prompt, session, node
-[b]p[/b]         pause / resume polling (the screen freezes)
-[b]a[/b]         abort the selected request          (asks first)
-[b]d[/b]         drain the selected node: no new requests, in-flight ones finish (asks first)
-[b]e[/b]         evict the selected node's prefix cache (asks first)
-[b]?[/b]         this help;  [b]q[/b] quit
+[b]1 2 3 4[/b]  panels: nodes · batch · cache · transfers
+[b]↑ ↓[/b]      move the selection; [b]enter[/b] on a request opens its details
+[b]/[/b]        filter requests and handoffs by node, id, session or state
+         ([b]enter[/b] keeps the filter, [b]esc[/b] clears it)
+[b]s[/b]        batch sort: age, tok/s, generated, prompt, session, node
+[b]p[/b]        pause / resume polling (the screen freezes)
+[b]a[/b]        abort the selected request (asks first)
+[b]d[/b]        drain the selected node: no new requests, in-flight ones
+         finish; undone only by a restart (asks first)
+[b]e[/b]        evict the selected node's prefix cache (asks first)
+[b]?[/b]        this help      [b]q[/b]  quit
 
-The selected node is the highlighted row of the Nodes panel, or on the Batch panel the node of the
-highlighted request. Node states: ready, loading, draining, degraded (a TP rank down),
-slow (no answer within the poll timeout), unreachable, error (e.g. a wrong API key).
+The selected node: on the Batch panel the highlighted request's node,
+else the highlighted row of the Nodes panel (or the only node).
+States: ready, loading, draining, degraded (a TP rank down), slow (no
+answer within the poll timeout), unreachable, error (e.g. a wrong key).
 """
 
 
@@ -86,7 +89,7 @@ class ConfirmScreen(ModalScreen[bool]):
 class HelpScreen(ModalScreen[None]):
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > Static { width: 90; max-width: 100%; height: auto; max-height: 100%; border: round $primary;
+    HelpScreen > Static { width: 78; max-width: 100%; height: auto; max-height: 100%; border: round $primary;
                           background: $surface; padding: 0 1; }
     """
     BINDINGS = [Binding("escape,question_mark,q", "dismiss", "Close")]
@@ -286,8 +289,7 @@ class TopApp(App):
 
     def action_sort(self) -> None:
         self.opts.sort = (self.opts.sort + 1) % len(SORTS)
-        self.refresh_views()
-        self.notify(f"batch sorted by {SORTS[self.opts.sort][0]}", timeout=2)
+        self.refresh_views()  # the batch summary line names the sort
 
     def action_pause(self) -> None:
         self.paused = not self.paused
