@@ -39,9 +39,15 @@ class AttnMeta:
 
 
 def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> None:
-    """k, v [T, Hk, D] into their slots (an in-place scatter: no data-dependent shapes)."""
-    kv[meta.page_ids, layer, 0, :, meta.offsets] = k
-    kv[meta.page_ids, layer, 1, :, meta.offsets] = v
+    """k, v [T, Hk, D] into their slots (an in-place scatter: no data-dependent shapes). Every index is a
+    tensor into the pool itself, no view taken first: compiled by inductor (engine/static.py) this stays one
+    in-place scatter, where an index_put through a select view of the pool became a copy of the whole pool."""
+    dev = k.device
+    page, slot = meta.page_ids[:, None, None], meta.offsets[:, None, None]  # [T, 1, 1]
+    k_or_v = torch.arange(2, device=dev)[:, None]  # [2, 1]
+    head = torch.arange(kv.shape[3], device=dev)  # [Hk]
+    index = (page, torch.full((), layer, dtype=torch.long, device=dev), k_or_v, head, slot)  # -> [T, 2, Hk]
+    kv.index_put_(index, torch.stack((k, v), dim=1))
 
 
 def _gather(kv: torch.Tensor, layer: int, pages: torch.Tensor):

@@ -32,3 +32,26 @@ def test_ops_match_twins_on_gpu(backend):
 def test_greedy_generation_matches_cpu(backend, tiny_qwen3):
     r = check.compare_generation(backend, str(tiny_qwen3), tokens=16)
     assert r.ok, r.line()
+
+
+def test_static_cuda_graphs_match_cpu(backend, tiny_qwen3):
+    """The bucketed path on the GPU (engine/static.py): weights and KV pool on the device, prefill buckets
+    compiled by inductor, decode buckets captured as CUDA graphs and replayed; greedy tokens as the eager
+    CPU engine's, and the pool intact."""
+    from trnd.engine.request import SamplingParams
+    from trnd.llm import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = check.PROMPTS + [list(range(5, 80))]  # one long enough for two prefill chunks
+    eager = LLM(str(tiny_qwen3), num_pages=64, page_size=16, max_batch=4, chunk_size=64)
+    want = [c.token_ids for c in eager.generate(prompts, params)]
+    llm = LLM(str(tiny_qwen3), backend="cuda", static=True, num_pages=64, page_size=16, max_batch=4, chunk_size=64)
+    engine, runner = llm.engine, llm.engine.runner
+    assert engine.pools[0].is_cuda and all(p.is_cuda for p in engine.model.parameters())
+    got = [c.token_ids for c in llm.generate(prompts, params)]
+    assert got == want
+    assert runner.cuda_graphs and runner._graphs
+    assert set(runner._graphs) == {k[1:] for k in runner.used if k[0] == "decode"}
+    again = [c.token_ids for c in llm.generate(prompts, params)]  # replays the captured graphs
+    assert again == want
+    engine.check_integrity()

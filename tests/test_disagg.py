@@ -25,13 +25,14 @@ def secret(tmp_path_factory):
 
 
 class Deployment:
-    def __init__(self, model_dir, secret, prefill_tp=1, decode_tp=1, n_prefill=1, point="8k", decode_extra=()):
+    def __init__(self, model_dir, secret, prefill_tp=1, decode_tp=1, n_prefill=1, point="8k", decode_extra=(),
+                 prefill_extra=()):
         self.model_dir, self.secret = model_dir, secret
         self.prefills = []
         for _ in range(n_prefill):
             cp, ap = free_port(), free_port()
             proc = start_role("prefill", model_dir, secret, "--tp", str(prefill_tp), "--point", point,
-                              "--kv-memory-gb", "0.25", control_port=cp, admin_port=ap)
+                              "--kv-memory-gb", "0.25", *prefill_extra, control_port=cp, admin_port=ap)
             self.prefills.append([proc, cp, ap])
         self.port = free_port()
         peers = [a for _, cp, _ in self.prefills for a in ("--prefill", f"127.0.0.1:{cp}")]

@@ -28,7 +28,8 @@ from .procs import admin_state, free_port, stop, wait_for, wait_ready
 
 L, H, PS, HD = 2, 4, 4, 8  # canonical page: 2 layers * k|v * 4 heads * 4 slots * 8 dims * 2 bytes = 1 KiB
 NUM_PAGES = 64
-DEADLINE = 1.0
+DEADLINE = 5.0  # generous: the CI machine is small and busy; a store that misses it is a (flaky) miss
+FAULT_DEADLINE = 2.0  # where a test waits out the deadline on purpose
 SECRET = "store-test-secret-0123456789"
 
 
@@ -69,6 +70,8 @@ class StoreProc:
         return f"127.0.0.1:{self.cp}"
 
     def start(self) -> None:
+        if self.proc is not None and self.proc.stdout:
+            self.proc.stdout.close()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trnd.roles.store", "--secret-file", str(self.secret_file), "--memory-gb",
              str(self.memory_gb), "--control-port", str(self.cp), "--admin-port", str(self.ap)],
@@ -91,17 +94,20 @@ class StoreProc:
     def close(self) -> str:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)
-        return stop(self.proc)
+        out = stop(self.proc)
+        self.proc.stdout.close()
+        return out
 
 
 class Client:
     """An in-process store client with its own NIXL agent and pools."""
 
-    def __init__(self, addrs, tp: int, ns: str, head_dim: int = HD, secret: str = SECRET):
+    def __init__(self, addrs, tp: int, ns: str, head_dim: int = HD, secret: str = SECRET,
+                 deadline: float = DEADLINE):
         self.pools = new_pools(tp, head_dim)
         self.agent = KVAgent(f"test-{uuid.uuid4().hex[:8]}", self.pools)
         self.c = StoreClient(addrs, secret.encode(), self.agent, layout(tp, head_dim), self.pools, ns,
-                             dtype="bfloat16", deadline_s=DEADLINE)
+                             dtype="bfloat16", deadline_s=deadline)
 
     def connected(self, n: int | None = None, timeout: float = 20) -> bool:
         want = n if n is not None else len(self.c.stores)
@@ -186,6 +192,8 @@ class ClientProc:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
@@ -313,6 +321,46 @@ def test_corrupt_slot_is_a_miss_and_dropped(client_a, proc_b, store, ns):
     assert proc_b.call("read", hashes=hs, pages=[50, 51, 52, 53])["n"] == 4
 
 
+class HeldAgent:
+    """A real KVAgent whose transfers look unfinished until `hold` is cleared: a READ that outlives the
+    deadline, on demand."""
+
+    def __init__(self, agent: KVAgent):
+        self.a, self.hold = agent, True
+
+    def __getattr__(self, name):
+        return getattr(self.a, name)
+
+    def state(self, handle) -> str:
+        return "PROC" if self.hold else self.a.state(handle)
+
+
+def test_read_outliving_its_deadline_fences_its_pages(client_a, store, ns):
+    hs = hashes(3, ns, seed=10)
+    fill(client_a.pools, [37, 38, 39], seed=10)
+    assert client_a.c.write(hs, [37, 38, 39]).result() == 3
+    pools = new_pools(1)
+    agent = KVAgent(f"held-{uuid.uuid4().hex[:6]}", pools)
+    held = HeldAgent(agent)
+    c = StoreClient([store.addr], SECRET.encode(), held, layout(1), pools, ns, dtype="bfloat16",
+                    deadline_s=FAULT_DEADLINE)
+    try:
+        assert wait_for(lambda: c.state()["stores"][0]["connected"], 20)
+        t0 = time.monotonic()
+        assert c.read(hs, [5, 6, 7]).result(timeout=FAULT_DEADLINE + 1) == 0  # the deadline passed mid-READ
+        assert time.monotonic() - t0 < FAULT_DEADLINE + 1
+        assert c.fenced() == {5, 6, 7}  # NIXL may still write them: not to be reused yet
+        assert wait_for(lambda: store.state()["leases"] == 0, 5)  # the lease went back anyway
+        held.hold = False
+        assert wait_for(lambda: not c.fenced(), 5)
+        assert c.state()["in_flight"] == 0
+        assert c.read(hs, [5, 6, 7]).result() == 3
+        assert [canonical(pools, p) for p in (5, 6, 7)] == [canonical(client_a.pools, p) for p in (37, 38, 39)]
+    finally:
+        c.close()
+        agent.close()
+
+
 def test_mismatched_page_shape_or_secret_is_refused(store, ns, client_a):
     bad = Client([store.addr], 1, ns, head_dim=HD * 2)  # canonical page of 2 KiB: not this store's slots
     forged = Client([store.addr], 1, ns, secret="not-the-secret")
@@ -321,7 +369,7 @@ def test_mismatched_page_shape_or_secret_is_refused(store, ns, client_a):
         assert "page_bytes" in bad.c.state()["stores"][0]["refused"]
         t0 = time.monotonic()
         assert bad.c.lookup(hashes(2, ns)).result() == 0
-        assert time.monotonic() - t0 < 0.2  # refused: an instant miss, not a wait
+        assert time.monotonic() - t0 < 0.5  # refused: an instant miss, not a wait
         assert wait_for(lambda: store.state()["counters"]["unauthenticated"] >= 1, 10)
         assert forged.c.lookup(hashes(2, ns)).result() == 0
         assert not forged.c.state()["stores"][0]["connected"]
@@ -353,12 +401,33 @@ def test_rendezvous_spreads_pages_over_two_stores(secret_file, store, ns):
         s2.close()
 
 
+def test_stopped_store_is_a_miss_not_a_hang(client_a, store, ns):
+    """SIGSTOP: the connection stays up but nothing answers (the module's store, resumed at the end)."""
+    c = client_a
+    hs = hashes(4, ns, seed=8)
+    assert c.c.write(hs, [0, 1, 2, 3]).result() == 4
+    os.kill(store.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert c.c.read(hs, [4, 5, 6, 7]).result(timeout=DEADLINE + 1) == 0
+        assert time.monotonic() - t0 < DEADLINE + 1
+        t0 = time.monotonic()
+        assert c.c.lookup(hs).result() == 0  # skipped while it is slow: no second wait
+        assert time.monotonic() - t0 < 0.5
+        assert c.c.write(hashes(2, ns, seed=9), [0, 1]).result(timeout=DEADLINE + 1) == 0
+        assert c.c.state()["stores"][0]["timeouts"] >= 1
+    finally:
+        os.kill(store.proc.pid, signal.SIGCONT)
+    assert wait_for(lambda: c.c.lookup(hs).result() == 4, 20, interval=0.3)
+    assert wait_for(lambda: store.state()["leases"] == 0, 10)
+
+
 @pytest.mark.slow
 def test_killed_store_is_a_miss_within_the_deadline_and_restart_serves_again(secret_file):
     x, y = StoreProc(secret_file), StoreProc(secret_file)
     x.wait(), y.wait()
     space = f"kill-{uuid.uuid4().hex[:6]}"
-    c = Client([x.addr, y.addr], 2, space)
+    c = Client([x.addr, y.addr], 2, space, deadline=FAULT_DEADLINE)
     try:
         assert c.connected()
         hs = hashes(16, space, seed=6)
@@ -370,13 +439,13 @@ def test_killed_store_is_a_miss_within_the_deadline_and_restart_serves_again(sec
         assert c.c.write(hs, list(range(16))).result() == 16
 
         # mid-read: the victim answers late, then dies
-        assert victim.post("/admin/debug/delay", {"s": 5}).status_code == 200
+        assert victim.post("/admin/debug/delay", {"s": 30}).status_code == 200
         t0 = time.monotonic()
         fut = c.c.read(hs, list(range(20, 36)))
         time.sleep(0.3)
         victim.kill()
-        assert fut.result(timeout=DEADLINE + 1) == k
-        assert time.monotonic() - t0 < DEADLINE + 0.5
+        assert fut.result(timeout=FAULT_DEADLINE + 1) == k
+        assert time.monotonic() - t0 < FAULT_DEADLINE + 1
         assert [canonical(c.pools, p) for p in range(20, 20 + k)] == [canonical(c.pools, p) for p in range(k)]
         assert wait_for(lambda: survivor.state()["leases"] == 0, 5)  # its lease was released
         t0 = time.monotonic()
@@ -386,7 +455,7 @@ def test_killed_store_is_a_miss_within_the_deadline_and_restart_serves_again(sec
         # restart: empty, serving again once the client's backoff reconnects
         victim.start()
         victim.wait()
-        assert wait_for(lambda: c.c.state()["stores"][owners[k]]["restarts"] == 1, 15)
+        assert wait_for(lambda: c.c.state()["stores"][owners[k]]["restarts"] == 1, 30)
         assert c.c.lookup(hs).result() == k  # the cache is gone, nothing else
         assert c.c.write(hs, list(range(16))).result() == 16
         assert c.c.read(hs, list(range(40, 56))).result() == 16
@@ -395,13 +464,13 @@ def test_killed_store_is_a_miss_within_the_deadline_and_restart_serves_again(sec
         hs2 = hashes(16, space, seed=7)
         owners2 = [c.c.owner(h) for h in hs2]
         mine = sum(1 for o in owners2 if o != owners[k])
-        assert victim.post("/admin/debug/delay", {"s": 5}).status_code == 200
+        assert victim.post("/admin/debug/delay", {"s": 30}).status_code == 200
         t0 = time.monotonic()
         fut = c.c.write(hs2, list(range(16)))
         time.sleep(0.3)
         victim.kill()
-        assert fut.result(timeout=DEADLINE + 1) == mine  # the survivor's share is committed
-        assert time.monotonic() - t0 < DEADLINE + 0.5
+        assert fut.result(timeout=FAULT_DEADLINE + 1) == mine  # the survivor's share is committed
+        assert time.monotonic() - t0 < FAULT_DEADLINE + 1
         st = survivor.state()
         assert st["leases"] == 0 and st["reservations"] == 0
         assert c.c.state()["fenced_pages"] == 0
@@ -409,27 +478,3 @@ def test_killed_store_is_a_miss_within_the_deadline_and_restart_serves_again(sec
         c.close()
         x.close()
         y.close()
-
-
-def test_stopped_store_is_a_miss_not_a_hang(secret_file):
-    s = StoreProc(secret_file).wait()
-    space = f"stop-{uuid.uuid4().hex[:6]}"
-    c = Client([s.addr], 1, space)
-    try:
-        assert c.connected()
-        hs = hashes(4, space, seed=8)
-        assert c.c.write(hs, [0, 1, 2, 3]).result() == 4
-        os.kill(s.proc.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        assert c.c.read(hs, [4, 5, 6, 7]).result(timeout=DEADLINE + 1) == 0
-        assert time.monotonic() - t0 < DEADLINE + 0.3
-        t0 = time.monotonic()
-        assert c.c.lookup(hs).result() == 0  # skipped while it is slow: no second wait
-        assert time.monotonic() - t0 < 0.2
-        assert c.c.write(hashes(2, space, seed=9), [0, 1]).result(timeout=DEADLINE + 1) == 0
-        os.kill(s.proc.pid, signal.SIGCONT)
-        assert wait_for(lambda: c.c.lookup(hs).result() == 4, 15, interval=0.3)
-        assert wait_for(lambda: s.state()["leases"] == 0, 10)
-    finally:
-        c.close()
-        s.close()

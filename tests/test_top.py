@@ -8,7 +8,6 @@ import asyncio
 import copy
 import io
 import json
-import socket
 import threading
 import time
 from contextlib import redirect_stdout
@@ -51,13 +50,22 @@ class FakeTrnd:
         self.port = port or free_port()
         self.ready = "ready"
         self.requests: list[tuple[str, str, str | None]] = []
-        self.pending = 0
+        self.open: set[int] = set()  # requests accepted and not answered, client still connected
+        self.most_open = 0
+        self.count = 0
         self.served = 0
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
+    @property
+    def pending(self) -> int:
+        return len(self.open)
+
     async def handle(self, reader, writer):
-        self.pending += 1
+        self.count += 1
+        me = self.count
+        self.open.add(me)
+        self.most_open = max(self.most_open, len(self.open))
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.decode().split("\r\n")
@@ -66,7 +74,11 @@ class FakeTrnd:
                         None)
             self.requests.append((method, path, auth))
             if self.delay:
-                await asyncio.sleep(self.delay)
+                try:  # answer late, unless the client gives up first (EOF)
+                    await asyncio.wait_for(reader.read(1), self.delay)
+                    return
+                except asyncio.TimeoutError:
+                    pass
             if path == "/admin/state":
                 body = self.seq[min(self.served, len(self.seq) - 1)]
                 self.served += 1
@@ -82,7 +94,7 @@ class FakeTrnd:
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            self.pending -= 1
+            self.open.discard(me)
             writer.close()
 
     def start(self) -> FakeTrnd:
@@ -167,7 +179,8 @@ def test_status_from_state_ready_and_failures():
     assert t.status == "draining"
     st2 = copy.deepcopy(st)
     st2["uptime_s"] += 2
-    st2["layout"] = {"tp": 2, "kv_heads_per_rank": 1, "ranks": [{"rank": 0, "alive": True}, {"rank": 1, "alive": False}]}
+    st2["layout"] = {"tp": 2, "kv_heads_per_rank": 1,
+                     "ranks": [{"rank": 0, "alive": True}, {"rank": 1, "alive": False}]}
     t.update(Poll(st2, ready="ready"), 2.0)
     assert t.status == "degraded" and t.note(2.0) == "rank 1 down"
     t.update(Poll(None, kind="unreachable", error="connection refused"), 10.0)
@@ -175,6 +188,10 @@ def test_status_from_state_ready_and_failures():
     assert t.note(22.5) == "connection refused for 12s"
     t.update(Poll(None, kind="slow", error="no answer in 0.4 s"), 23.0)
     assert t.status == "slow"
+    late = NodeTrack("late")
+    late.update(Poll(st, ready="ready"), 0.0)
+    late.update(Poll(None, kind="slow", error="no answer in 0.4 s"), 1.0)
+    assert late.status == "slow" and len(late.requests()) == len(st["running"]) + len(st["waiting"])  # stale kept
     t.update(Poll(None, kind="error", error="HTTP 401: bad key"), 24.0)
     assert t.status == "error"
     st3 = copy.deepcopy(st2)
@@ -196,7 +213,8 @@ def test_tiers_host_and_remote_and_rates():
     assert list(tiers) == ["device", "host", "remote"]
     assert tiers["device"].total == b["pages"]["total"] and tiers["device"].in_use == b["pages"]["in_use"]
     host = b["tiers"]["host"]
-    assert (tiers["host"].total, tiers["host"].cached, tiers["host"].free) == (host["slots"], host["used"], host["free"])
+    h = tiers["host"]
+    assert (h.total, h.cached, h.free) == (host["slots"], host["used"], host["free"])
     r = tiers["remote"]
     assert (r.total, r.cached, r.free, r.hit_rate) == (1000, 300, 700, 0.75)
     assert r.load_per_s == pytest.approx(30 / (b["uptime_s"] - a["uptime_s"]))
@@ -215,6 +233,30 @@ def test_hot_prefixes_when_present():
     st["hot_prefixes"] = [{"text": "You are a helpful\nassistant", "hits": 120, "pages": 4}]
     t.update(Poll({**st, "uptime_s": st["uptime_s"] + 1}), 1.0)
     assert t.hot_prefixes() == [("You are a helpful⏎assistant", "120 hits · 4 pages")]
+
+
+def test_cache_panel_renders_extra_tiers_and_hot_prefixes():
+    a, b = copy.deepcopy(states("serve")[-2:])
+    for st in (a, b):
+        st["tiers"]["remote"] = {"slots": 4096, "used": 1024, "page_bytes": 8192, "hits": 9, "misses": 1,
+                                 "loaded": 5, "stored": 7, "evicted": 0}
+    b["hot_prefixes"] = [{"text": "SYSTEM: you are terse", "hits": 42, "pages": 3}]
+
+    async def go():
+        app = TopApp([parse_target("s:8000")], autopoll=False, clock=lambda: 0.0)
+        async with app.run_test(size=(100, 40)) as pilot:
+            for st in (a, b):
+                app.apply("s:8000", Poll(st, ready="ready"))
+            await pilot.press("3")
+            await pilot.pause()
+            return app.query_one(CacheCard).render().plain
+
+    text = asyncio.run(go())
+    lines = text.splitlines()
+    assert any(ln.startswith("device ") for ln in lines) and any(ln.startswith("host ") for ln in lines)
+    remote = next(i for i, ln in enumerate(lines) if ln.startswith("remote "))
+    assert "cached 1024" in lines[remote + 1] and "free 3072" in lines[remote + 1] and "hit 90.0%" in text
+    assert "hottest prefixes" in text and "SYSTEM: you are terse" in text and "42 hits · 3 pages" in text
 
 
 def test_transfers_per_peer_throughput_and_in_flight():
@@ -266,7 +308,8 @@ def test_targets_from_local_configs(tmp_path):
     (tmp_path / "broken.toml").write_text("this is = = not toml")
     got = {t.url: t.api_key for t in targets_from_configs(str(tmp_path))}
     assert got == {"http://127.0.0.1:8020": "sekret", "http://10.1.2.3:8111": None, "http://127.0.0.1:8010": None}
-    assert [t.url for t in resolve_targets(["h:1"], None, str(tmp_path))] == ["http://h:1"]
+    assert [t.url for t in resolve_targets(["h:1", "g:2", "http://h:1"], None, str(tmp_path))] == ["http://h:1",
+                                                                                                 "http://g:2"]
     assert [t.url for t in resolve_targets([], None, str(tmp_path / "none"))] == ["http://127.0.0.1:8000"]
 
 
@@ -328,18 +371,19 @@ def test_ui_stays_responsive_with_a_slow_and_a_refused_target():
     refused_port = free_port()
     try:
         async def go():
-            app = TopApp([parse_target(slow.url), parse_target(f"127.0.0.1:{refused_port}")], interval=0.5)
+            app = TopApp([parse_target(slow.url), parse_target(f"127.0.0.1:{refused_port}")], interval=2.5,
+                         timeout=2.0)
             async with app.run_test(size=(100, 30)) as pilot:
-                assert await until(pilot, lambda: slow.pending > 0)
-                started = time.monotonic()
-                await pilot.press("2")  # handled while the slow poll is pending
+                assert await until(pilot, lambda: slow.pending == 2)  # /admin/state and /ready, unanswered
+                in_flight = set(slow.open)
+                await pilot.press("2")  # handled while that poll is pending
                 assert app.query_one("TabbedContent").active == "batch"
-                assert time.monotonic() - started < 0.5 and slow.pending > 0
+                assert in_flight <= slow.open  # the very same requests are still waiting
                 slow_t, refused_t = app.tracks
-                assert await until(pilot, lambda: slow_t.status == "slow" and refused_t.status == "unreachable")
-                assert slow_t.poll.error == "no answer in 0.4 s" and refused_t.poll.error == "connection refused"
-                # one worker per target never overlaps itself: at most one request pair in flight
-                assert slow.pending <= 2
+                assert await until(pilot, lambda: refused_t.status == "unreachable")
+                assert refused_t.poll.error == "connection refused"
+                assert await until(pilot, lambda: slow_t.status == "slow")
+                assert slow_t.poll.error == "no answer in 2 s" and not in_flight & slow.open  # given up
                 # the refused target comes up: it recovers by itself
                 fake = FakeTrnd(states("serve"), port=refused_port).start()
                 try:
@@ -348,6 +392,9 @@ def test_ui_stays_responsive_with_a_slow_and_a_refused_target():
                     assert app.query_one(BatchPanel).rows
                 finally:
                     fake.close()
+                # one worker per target never overlaps itself: never more than one poll's two requests
+                assert await until(pilot, lambda: slow.count >= 4)
+                assert slow.most_open == 2
                 await pilot.press("q")
 
         asyncio.run(go())
@@ -440,7 +487,8 @@ def test_live_batch_cache_abort_and_drain(served):
     port, traffic = served
 
     async def go():
-        app = TopApp([parse_target(f"127.0.0.1:{port}", KEY)], interval=0.3)
+        # a generous poll timeout: on a loaded machine a late answer must not blank the table
+        app = TopApp([parse_target(f"127.0.0.1:{port}", KEY)], interval=0.3, timeout=5.0)
         async with app.run_test(size=(120, 36)) as pilot:
             track = app.tracks[0]
             assert await until(pilot, lambda: track.status == "ready")
@@ -466,24 +514,29 @@ def test_live_batch_cache_abort_and_drain(served):
             table.move_cursor(row=1)
             target = batch.selected()
             await pilot.press("enter")
-            assert isinstance(app.screen, RequestScreen) and app.screen.key == target.key
+            assert await until(pilot, lambda: isinstance(app.screen, RequestScreen))
+            assert app.screen.key == target.key
             await pilot.press("escape")
+            assert await until(pilot, lambda: not isinstance(app.screen, RequestScreen))
 
             # abort: cancelled first (nothing happens), then confirmed
             await pilot.press("a")
-            assert isinstance(app.screen, ConfirmScreen)
+            assert await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
             await pilot.press("n")
+            assert await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen))
             await pilot.pause(0.5)
             assert target.id in {r["id"] for r in admin(port)["running"]}
             assert batch.selected().id == target.id  # the cursor stayed on its row across refreshes
-            await pilot.press("a", "y")
+            await pilot.press("a")
+            assert await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            await pilot.press("y")
             assert await until(pilot, lambda: target.id not in {r["id"] for r in admin(port)["running"]}, 10)
             assert await until(pilot, lambda: target.key not in batch.rows)
             assert len(admin(port)["running"]) == 2
 
             # drain the node from the nodes panel
             await pilot.press("1", "d")
-            assert isinstance(app.screen, ConfirmScreen)
+            assert await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
             await pilot.press("y")
             ready = lambda: httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code  # noqa: E731
             assert await until(pilot, lambda: ready() == 503, 10)
@@ -515,10 +568,12 @@ def test_live_once_and_evict(served):
     assert admin(port)["pages"]["cached"] > 0
 
     async def go():
-        app = TopApp([parse_target(f"127.0.0.1:{port}", KEY)], interval=0.3)
+        app = TopApp([parse_target(f"127.0.0.1:{port}", KEY)], interval=0.3, timeout=5.0)
         async with app.run_test() as pilot:
             assert await until(pilot, lambda: app.tracks[0].status == "ready")
-            await pilot.press("e", "y")
+            await pilot.press("e")
+            assert await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            await pilot.press("y")
             assert await until(pilot, lambda: admin(port)["pages"]["cached"] == 0)
             await pilot.press("q")
 

@@ -75,6 +75,19 @@ def _disagg_parsers(sub) -> None:
     d.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
 
 
+def _store_parser(sub) -> None:
+    p = sub.add_parser("store", help="run an L3 remote KV store (a memory node for prefix pages)",
+                       description="Run a KV store: one DRAM region registered with NIXL, pages keyed by chained "
+                                   "page hash, read and written directly by roles on any node.")
+    p.add_argument("--config", metavar="FILE", help="TOML store config (see configs/store.toml)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--control-port", type=int, help="control-plane TCP port (default 8300)")
+    p.add_argument("--admin-port", type=int, help="HTTP port for /health, /ready, /admin/state (default 8301)")
+    p.add_argument("--memory-gb", type=float, help="DRAM region for pages (default 4)")
+    p.add_argument("--secret-file", help="file holding the control-plane shared secret")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
 def _model_parser(sub) -> None:
     p = sub.add_parser("model", help="make or inspect models")
     msub = p.add_subparsers(dest="model_cmd", required=True)
@@ -116,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(trnd check --help)", add_help=False)
     _serve_parser(sub)
     _disagg_parsers(sub)
+    _store_parser(sub)
     _model_parser(sub)
     _bench_parser(sub)
     return parser
@@ -157,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(str(e).replace("\n", " ")) from None
             setup_logging(cfg.log_level)
             return (prefill if args.cmd == "prefill" else decode).run(cfg)
+        if args.cmd == "store":
+            from trnd.roles import store
+
+            return store.run_args(args)
         if args.cmd == "model":
             from trnd.model.maker import make_model
 

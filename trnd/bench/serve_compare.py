@@ -354,6 +354,30 @@ def summarize_profile(raw: str) -> dict:
             "leaves": leaves.most_common(12)}
 
 
+def in_flight(port: int) -> int | None:
+    """Requests running + waiting on a trnd server, from its Prometheus /metrics."""
+    try:
+        code, body = http_get(f"http://127.0.0.1:{port}/metrics")
+    except OSError:
+        return None
+    n = None
+    for ln in body.decode(errors="replace").splitlines():
+        if ln.startswith(("trnd:num_requests_running", "trnd:num_requests_waiting")):
+            n = (n or 0) + int(float(ln.rsplit(" ", 1)[1]))
+    return n if code == 200 else None
+
+
+def wait_for_load(srv: Server, at_least: int, load: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Until the load generator (slow to import vLLM) has its requests in, past its warm-ups."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and load.poll() is None:
+        n = in_flight(srv.port)
+        if n is not None and n >= at_least:
+            time.sleep(2.0)  # the rest of the first wave
+            return
+        time.sleep(0.25)
+
+
 def profile(ctx: Ctx, srv: Server, conc: int) -> dict | None:
     """A c=conc load (not measured) with py-spy recording the decode-step process for --profile-s seconds."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -367,7 +391,7 @@ def profile(ctx: Ctx, srv: Server, conc: int) -> dict | None:
         cmd[cmd.index("--num-prompts") + 1] = str(max(ctx.args.num_prompts, 4 * conc))
         load = subprocess.Popen(cmd, env=client_env(), stdout=f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    time.sleep(6.0)  # past the client's start-up and warm-ups: the batch is full
+    wait_for_load(srv, min(conc, 3), load)
     spy_cmd = [spy, "record", "--pid", str(pid), "--duration", str(int(ctx.args.profile_s)), "--rate", "100",
                "--format", "raw", "--threads", "--full-filenames", "-o", str(out)]
     r = subprocess.run(spy_cmd, capture_output=True, text=True)

@@ -97,6 +97,10 @@ class Tiers:
             if done:
                 self.pool.unref(done)
 
+    @property
+    def busy(self) -> bool:
+        return bool(self._writes or self._fenced)
+
     def held_pages(self) -> list[list[int]]:
         return [pages for _, pages in self._writes] + [self._fenced]
 

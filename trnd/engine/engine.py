@@ -18,6 +18,7 @@ from trnd.cache.radix import RadixCache, check_pool_integrity
 from trnd.cache.tiers import Tiers
 from trnd.engine.output import OutputStream, StepOutput
 from trnd.engine.request import Req, SamplingParams, Status
+from trnd.backends import get_backend
 from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes, prepare
 from trnd.engine.sampler import SampleOut, Sampler
 from trnd.engine.scheduler import Batch, Scheduler, SchedulerConfig
@@ -52,6 +53,12 @@ class EngineConfig:
     store_on_finish: bool = True  # write a finished request's full pages to L3 (the next turn finds them)
     store_deadline_s: float = 1.0  # a store slower than this is a miss
     role: str = "serve"  # names this process's NIXL agent
+    static: bool = False  # pad steps to the point's shape buckets, compiled per bucket (engine/static.py)
+    point: str | None = None  # decode point whose buckets the static path uses; None: derived from this config
+
+    def __post_init__(self):
+        if self.static and self.tp > 1:
+            raise ValueError("static = true runs one rank: tp must be 1")
 
 
 @dataclass
@@ -86,8 +93,10 @@ class Engine:
         tp.split(mc.num_heads, "num_attention_heads")  # refuse a bad layout before starting processes
         page_bytes = kv_page_bytes(mc, nk[1] - nk[0], cfg.page_size)
         num_pages = cfg.num_pages or max(2, int(cfg.kv_memory_gb * 2**30) // page_bytes)
-        # One pool per rank; with TP they live in shared memory so this process can reach them all.
-        self.pools = [alloc_kv(mc, nk[1] - nk[0], num_pages, cfg.page_size, shared=cfg.tp > 1)
+        # One pool per rank, on the backend's device; with TP they live in shared memory so this process
+        # can reach them all (the ranks all-reduce over gloo, on the CPU).
+        device = get_backend(cfg.backend).device if cfg.tp == 1 else "cpu"
+        self.pools = [alloc_kv(mc, nk[1] - nk[0], num_pages, cfg.page_size, shared=cfg.tp > 1, device=device)
                       for _ in range(cfg.tp)]
         self.workers = None
         self._agent = None
@@ -99,6 +108,8 @@ class Engine:
         self.model, self.model_config = load_model(cfg.model, cfg.dtype, tp, cfg.backend)
         self.tp = tp
         self.pool = PagePool(num_pages)
+        # The static path's padding writes its KV into this page: reserved for good, never handed out.
+        self.scratch_page = self.pool.alloc(1)[0] if cfg.static else None
         self.radix = RadixCache(self.pool, cfg.page_size, namespace=self.namespace)
         self.scheduler = Scheduler(SchedulerConfig(cfg.page_size, cfg.max_batch, cfg.token_budget, cfg.chunk_size,
                                                    cfg.prefix_cache), self.pool, self.radix, cfg.remote_prefill)
@@ -110,7 +121,15 @@ class Engine:
         self.on_abort_transferring: Callable[[Req], None] | None = None
         # Extra page owners for integrity checks (pages fenced or in flight, held by a role).
         self.extra_owners: Callable[[], list[list[int]]] = lambda: []
-        self.runner = ModelRunner(self.model, mc, self.pools[0])
+        if cfg.static:
+            from trnd.engine.static import StaticRunner, resolve_point
+
+            point = resolve_point(cfg.point, page_size=cfg.page_size, max_batch=cfg.max_batch,
+                                  chunk_size=cfg.chunk_size, max_context=min(
+                                      cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size))
+            self.runner = StaticRunner(self.model, mc, self.pools[0], point, self.scratch_page)
+        else:
+            self.runner = ModelRunner(self.model, mc, self.pools[0])
         self.tiers = self._make_tiers()
         self.scheduler.tiers = self.tiers
         if self.workers:
@@ -119,6 +138,7 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size)
         self.streams: dict[str, OutputStream] = {}
         self.stats = EngineStats()
+        self.idle_step = False  # the last step had nothing to compute (work parked on transfers)
 
     @property
     def namespace(self) -> str:
@@ -215,6 +235,7 @@ class Engine:
         self.stats.preemptions += len(batch.preempted)
         if self.on_schedule and batch.remote:
             self.on_schedule(batch)
+        self.idle_step = batch.empty
         if batch.empty:
             return []
         inputs, sampled = prepare(batch, self.cfg.page_size)
@@ -270,6 +291,14 @@ class Engine:
             return "length"
         return None
 
+    def poll(self) -> bool:
+        """Housekeeping between steps (every loop iteration, idle or not): reap finished tier transfers.
+        True while any is in flight."""
+        if self.tiers is None:
+            return False
+        self.tiers.poll()
+        return self.tiers.busy
+
     def release_fenced(self, req: Req) -> None:
         self.scheduler._release(req)
 
@@ -283,7 +312,8 @@ class Engine:
     # -- inspection ---------------------------------------------------------------------------------
 
     def check_integrity(self) -> dict:
-        self.radix.check_integrity()
+        # Tree invariants here; exact refcounts (requests, tier transfers, fences) in the pool check.
+        self.radix.check_integrity(strict=False)
         return check_pool_integrity(self.pool, self.radix, self._owner_lists())
 
     def _owner_lists(self) -> list[list[int]]:
@@ -293,6 +323,8 @@ class Engine:
         owners += [j.pages for j in sched.loading.values()]
         if self.tiers is not None:
             owners += self.tiers.held_pages()
+        if self.scratch_page is not None:
+            owners.append([self.scratch_page])
         return owners + self.extra_owners()
 
     def state(self) -> dict:

@@ -140,7 +140,8 @@ class EngineLoop:
                         self._inbox.get_nowait()()
                     except queue.Empty:
                         break
-                busy = self.poll() if self.poll else False
+                busy = self.engine.poll()
+                busy = (self.poll() if self.poll else False) or busy
                 if not self.engine.has_work:
                     self._wake.wait(0.0005 if busy else 0.25)
                     self._wake.clear()
@@ -149,6 +150,9 @@ class EngineLoop:
                     time.sleep(self.stall_s)
                 for out in self.engine.step():
                     self._deliver(out)
+                if self.engine.idle_step:  # only parked work (remote loads): poll gently, don't spin
+                    self._wake.wait(0.0005)
+                    self._wake.clear()
         except BaseException as e:  # a broken engine must not leave clients waiting forever
             log.exception("engine loop crashed")
             self.error = e

@@ -65,17 +65,26 @@ def prepare(batch: Batch, page_size: int) -> tuple[StepInputs, list[Req]]:
 
 
 def alloc_kv(cfg: ModelConfig, num_kv_heads_local: int, num_pages: int, page_size: int,
-             shared: bool = False) -> torch.Tensor:
+             shared: bool = False, device: str = "cpu") -> torch.Tensor:
     """kv[page, layer, k|v, kv_head, slot, head_dim]: see kernels/attention.py for why page-major.
     shared: in shared memory, so the role process can map every rank's pool (one NIXL agent per role
-    registers them all, and the host tier copies pages out of any rank)."""
-    kv = torch.zeros(num_pages, cfg.num_layers, 2, num_kv_heads_local, page_size, cfg.head_dim, dtype=cfg.dtype)
+    registers them all, and the host tier copies pages out of any rank); host memory only.
+    device: the backend's device. The pool is made there, never moved: the host tier and the transfers
+    hold this very tensor."""
+    if shared and device != "cpu":
+        raise ValueError(f"a shared-memory KV pool lives in host memory, not on {device!r}")
+    kv = torch.zeros(num_pages, cfg.num_layers, 2, num_kv_heads_local, page_size, cfg.head_dim, dtype=cfg.dtype,
+                     device=device)
     return kv.share_memory_() if shared else kv
 
 
 class ModelRunner:
+    """The model runs where its KV pool is (alloc_kv puts it on the backend's device): the weights are
+    moved there once, and each step's inputs are built there."""
+
     def __init__(self, model, cfg: ModelConfig, kv: torch.Tensor):
-        self.model, self.cfg, self.kv = model, cfg, kv
+        self.model, self.cfg, self.kv = model.to(kv.device), cfg, kv
+        self.device = kv.device
         self.page_size = kv.shape[4]
         self.num_kv_heads = model.layers[0].attn.nk  # this rank's
         assert kv.shape[3] == self.num_kv_heads, (kv.shape, self.num_kv_heads)
@@ -84,9 +93,12 @@ class ModelRunner:
     def page_bytes(self) -> int:
         return self.kv[0].numel() * self.kv.element_size()
 
+    def tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
     def forward(self, x: StepInputs) -> torch.Tensor:
-        t = torch.tensor
+        t = self.tensor
         meta = AttnMeta(t(x.page_ids), t(x.offsets), len(x.decode_ctx),
                         t(x.decode_pages) if x.decode_ctx else None, t(x.decode_ctx) if x.decode_ctx else None,
                         [PrefillSeq(a, b, c, t(pages)) for a, b, c, pages in x.prefill])
-        return self.model(t(x.ids), t(x.positions), self.kv, meta, t(x.sample_rows, dtype=torch.long))
+        return self.model(t(x.ids), t(x.positions), self.kv, meta, t(x.sample_rows))

@@ -107,8 +107,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """Anything to compute (transferring requests wait on the network, not on the model)."""
-        return bool(self.waiting or self.running)
+        """Anything to schedule: queued, running, or parked on a remote load (whose progress is checked
+        by schedule()). Transferring requests wait on a prefill server: their role polls for them."""
+        return bool(self.waiting or self.running or self.loading)
 
     @property
     def num_active(self) -> int:

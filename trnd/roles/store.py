@@ -34,17 +34,16 @@ import uuid
 from dataclasses import dataclass, field
 
 import msgspec
-import torch
 
 from trnd.cache.store_index import COMMITTED, StoreIndex
 from trnd.config import ConfigError, StoreConfig, load_config
 from trnd.transfer import store_protocol as S
-from trnd.transfer.nixl import KVAgent
 
 log = logging.getLogger("trnd.store")
 
 DEBUG_ENV = "TRND_STORE_DEBUG"
 EXPIRE_EVERY_S = 0.1
+CHECKSUM_THREADS = 4
 
 
 @dataclass
@@ -72,6 +71,10 @@ class Beat:
 
 class StoreServer:
     def __init__(self, cfg: StoreConfig):
+        import torch
+
+        from trnd.transfer.nixl import KVAgent
+
         self.cfg = cfg
         self.secret = cfg.resolved_secret()
         self.memory_bytes = int(cfg.memory_gb * 2**30)
@@ -93,6 +96,7 @@ class StoreServer:
                                        "corrupt_reports", "corrupt_dropped"), 0)
         self.verify_ms = {"n": 0, "total": 0.0, "max": 0.0}
         self._expirer: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
 
     # -- control plane ------------------------------------------------------------------------------
 
@@ -204,7 +208,9 @@ class StoreServer:
             c.counters["reserved"] += sum(1 for s in slots if s >= 0)
             await c.chan.send(S.Reserved(msg.id, rid, slots))
         elif isinstance(msg, S.Commit):
-            asyncio.create_task(self._commit(c, msg))  # hashing runs off the loop; other requests go on
+            task = asyncio.create_task(self._commit(c, msg))  # hashing runs off the loop; requests go on
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         elif isinstance(msg, S.Release):
             lease = idx.leases.get(msg.lease)
             if lease is not None and lease.owner == c.id:
@@ -229,7 +235,7 @@ class StoreServer:
         slots = [idx.reserved_slot(m.reservation, c.ns, h) for h in m.hashes]
         todo = [(i, s) for i, s in enumerate(slots) if s is not None]
         t0 = time.perf_counter()
-        sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, [s for _, s in todo])
+        sums = await self._sums([s for _, s in todo])
         ms = (time.perf_counter() - t0) * 1e3
         self.verify_ms["n"] += 1
         self.verify_ms["total"] += ms
@@ -252,7 +258,7 @@ class StoreServer:
         c.counters["corrupt"] += len(hashes)
         idx = self.index
         entries = [e for e in (idx.keys.get((c.ns, h)) for h in hashes) if e is not None and e.state == COMMITTED]
-        sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, [e.slot for e in entries])
+        sums = await self._sums([e.slot for e in entries])
         for e, got in zip(entries, sums):
             if got != e.checksum and idx.keys.get(e.key) is e and idx.drop(*e.key):
                 self.counters["corrupt_dropped"] += 1
@@ -263,6 +269,14 @@ class StoreServer:
             await c.chan.send(msg)
         except (ConnectionError, OSError) as e:
             log.debug("send to %s: %s", c.name, e)
+
+    async def _sums(self, slots: list[int]) -> list[bytes]:
+        """Slot checksums on up to CHECKSUM_THREADS executor threads (blake2b lets go of the GIL)."""
+        loop = asyncio.get_running_loop()
+        k = -(-len(slots) // CHECKSUM_THREADS) or 1
+        parts = await asyncio.gather(*(loop.run_in_executor(None, self._checksums, slots[i:i + k])
+                                       for i in range(0, len(slots), k)))
+        return [c for part in parts for c in part]
 
     def _checksums(self, slots: list[int]) -> list[bytes]:
         sb = self.slot_bytes
@@ -377,7 +391,11 @@ def run(cfg: StoreConfig, reload_source=None) -> int:
 
     with Lifecycle("store", cfg, reload_source) as life:
         life.status(f"registering {cfg.memory_gb:g} GiB with NIXL")
-        server = StoreServer(cfg)
+        try:
+            server = StoreServer(cfg)
+        except (RuntimeError, MemoryError) as e:  # the region cannot be had (or registered)
+            print(f"trnd: cannot start: memory_gb = {cfg.memory_gb:g}: {e}", file=sys.stderr)
+            return 78
         try:
             life.loop = server.beat
             app = build_admin_app(server, cfg)
@@ -386,7 +404,11 @@ def run(cfg: StoreConfig, reload_source=None) -> int:
                 log.warning("%s=1: debug hooks on /admin/debug/* (tests only)", DEBUG_ENV)
 
             async def main() -> int:
-                ctrl = await server.serve()
+                try:
+                    ctrl = await server.serve()
+                except OSError as e:
+                    log.error("cannot listen on %s:%d: %s", cfg.host, cfg.control_port, e)
+                    return 1
                 try:
                     return await life.serve(
                         http, app, banner=f"trnd: store of {cfg.memory_gb:g} GiB on {cfg.host}:{cfg.control_port}, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from urllib.parse import quote
 
 from textual import on
 from textual.app import App, ComposeResult
@@ -126,6 +127,9 @@ class RequestScreen(ModalScreen[None]):
         self.show()
 
     def show(self) -> None:
+        box = self.query("#request-detail")
+        if not box:  # pushed, not composed yet: on_mount shows it
+            return
         r = self.row
         done = f"{r.generated / r.max_tokens:.0%}" if r.max_tokens else "-"
         fields = [("id", r.id), ("node", r.node), ("session", r.session or "-"), ("state", r.state),
@@ -137,7 +141,7 @@ class RequestScreen(ModalScreen[None]):
         lines += [Content.from_markup("[$text-primary]$k[/] $v", k=f"{k:<16}", v=str(v)) for k, v in fields]
         if self.gone:
             lines.append(Content.from_markup("[$text-warning]no longer in /admin/state: finished or aborted[/]"))
-        self.query_one("#request-detail", Static).update(Content("\n").join(lines))
+        box.first(Static).update(Content("\n").join(lines))
 
     def action_abort(self) -> None:
         self.app.confirm_abort(self.row)
@@ -234,6 +238,8 @@ class TopApp(App):
 
     def refresh_views(self) -> None:
         self.opts.now = self.clock()
+        if not self.query(TabbedContent):  # shutting down: the screen is gone
+            return
         with self.batch_update():
             self.query_one(NodesPanel).show(self.tracks, self.opts)
             self.query_one(BatchPanel).show(self.tracks, self.opts)
@@ -336,7 +342,7 @@ class TopApp(App):
 
     def confirm_abort(self, row: ReqRow) -> None:
         self._confirm(f"Abort request {row.id} ({row.state}, {row.generated} tokens generated) on {row.node}?",
-                      "Abort", row.node, f"/admin/abort/{row.id}")
+                      "Abort", row.node, f"/admin/abort/{quote(row.id, safe='')}")
 
     def action_drain(self) -> None:
         node = self.selected_node()

@@ -37,7 +37,14 @@ def main(argv: list[str]) -> int:
         return once(targets, poll_timeout(args.interval))
     app = TopApp(targets, interval=args.interval)
     if args.theme:
-        app.theme = args.theme
+        from textual.app import InvalidThemeError
+
+        try:
+            app.theme = args.theme
+        except InvalidThemeError:
+            print(f"trnd top: no theme {args.theme!r}; try one of {', '.join(sorted(app.available_themes))}",
+                  file=sys.stderr)
+            return 2
     app.run()
     return 0
 

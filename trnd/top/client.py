@@ -74,8 +74,13 @@ def targets_from_configs(config_dir: str = CONFIG_DIR, api_key: str | None = Non
 def resolve_targets(specs: list[str], api_key: str | None = None, config_dir: str = CONFIG_DIR) -> list[Target]:
     """Arguments, else the local role configs, else the local default."""
     if specs:
-        return [parse_target(s, api_key) for s in specs]
-    return targets_from_configs(config_dir, api_key) or [parse_target(DEFAULT_TARGET, api_key)]
+        targets = [parse_target(s, api_key) for s in specs]
+    else:
+        targets = targets_from_configs(config_dir, api_key) or [parse_target(DEFAULT_TARGET, api_key)]
+    seen: dict[str, Target] = {}
+    for t in targets:
+        seen.setdefault(t.label, t)  # each node once
+    return list(seen.values())
 
 
 def _error_message(r: httpx.Response) -> str:

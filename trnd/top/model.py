@@ -123,7 +123,8 @@ class NodeTrack:
         if st is None:
             if self.down_since is None:
                 self.down_since = now
-            self.state = None
+            if poll.kind != "slow":  # a slow answer may still come: keep showing the last state meanwhile
+                self.state = None
             return
         self.down_since = None
         prev = self.last
@@ -202,8 +203,8 @@ class NodeTrack:
         if p is None:
             return ""
         if p.state is None:
-            down = now - self.down_since if self.down_since is not None else 0.0
-            since = f" for {fmt_duration(down)}" if down >= 1 else ""
+            gone = now - self.down_since if self.down_since is not None else 0.0
+            since = f" for {fmt_duration(gone)}" if gone >= 1 else ""
             return f"{p.error or p.kind}{since}"
         ranks = (p.state.get("layout") or {}).get("ranks") or []
         down = [str(r.get("rank")) for r in ranks if not r.get("alive", True)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.color import Color, ColorParseError
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.widgets import DataTable, Static
@@ -43,10 +44,14 @@ class Keyed(Text):
 
 def paint(widget, text: str, var: str) -> Text:
     """Rich text in one of the theme's colors (DataTable cells are Rich, not Textual markup)."""
-    color = widget.app.theme_variables.get(var, "")
-    if not color.startswith("#"):  # e.g. "auto 60%": not a Rich color
+    theme = widget.app.theme_variables
+    try:
+        color = Color.parse(theme.get(var, ""))
+        if color.a < 1:  # e.g. foreground-muted: translucent over the background
+            color = Color.parse(theme.get("background", "#000000")) + color
+    except ColorParseError:  # e.g. the ansi themes' named colors
         return Text(text, style="dim", no_wrap=True, end="")
-    return Text(text, style=color, no_wrap=True, end="")
+    return Text(text, style=color.hex6, no_wrap=True, end="")
 
 
 def num(n: int | float | None) -> Text:
@@ -65,7 +70,8 @@ def sync_table(table: DataTable, rows: list[tuple[str, list]]) -> None:
     for key, cells in rows:
         if key in table.rows:
             for col, value in zip(columns, cells):
-                if table.get_cell(key, col) != value:
+                old = table.get_cell(key, col)
+                if old != value or getattr(old, "style", None) != getattr(value, "style", None):  # e.g. a new theme
                     table.update_cell(key, col, value, update_width=True)
         else:
             table.add_row(*cells, key=key)

@@ -45,6 +45,7 @@ from trnd.transfer.plan import Layout, descriptors, make_plan
 log = logging.getLogger("trnd.store.client")
 
 STUCK_S = 30.0  # a transfer still running after this is logged (its pages stay fenced)
+CHECKSUM_THREADS = 4
 
 
 class StoreDown(ConnectionError):
@@ -116,7 +117,7 @@ class StoreClient:
         self._fenced: dict[int, int] = {}
         self._inflight: list[_Xfer] = []
         self._reaper: asyncio.Task | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._sends: set[asyncio.Task] = set()
         self.counters = dict.fromkeys(("lookups", "reads", "writes", "timeouts", "failures"), 0)
         self._load_ms: deque[float] = deque(maxlen=256)
         self.loop = asyncio.new_event_loop()
@@ -188,6 +189,8 @@ class StoreClient:
             log.debug("store client shutdown: %s", e)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
         for s in self.stores:
             if s.peer:
                 self.agent.remove_peer(s.peer)
@@ -197,16 +200,21 @@ class StoreClient:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         for s in self.stores:
-            self._tasks.append(self.loop.create_task(self._store_task(s)))
+            self.loop.create_task(self._store_task(s))
         self.loop.call_soon(self._started.set)
         self.loop.run_forever()
 
     async def _shutdown(self) -> None:
-        for t in self._tasks:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for s in self.stores:
             if s.chan is not None:
                 s.chan.close()
+        for x in self._inflight:  # NIXL tries to cancel what is still moving
+            self.agent.release(x.handle)
+        self._inflight.clear()
 
     def _check(self, hashes) -> None:
         for h in hashes:
@@ -353,7 +361,9 @@ class StoreClient:
             except (ConnectionError, OSError, TimeoutError) as e:
                 log.debug("send %s to %s: %s", type(msg).__name__, s.addr, e)
 
-        asyncio.get_running_loop().create_task(send())
+        task = asyncio.get_running_loop().create_task(send())
+        self._sends.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._sends.discard)
 
     # -- placement ----------------------------------------------------------------------------------
 
@@ -444,7 +454,7 @@ class StoreClient:
                     n = min(n, positions[0])
             if n == 0:
                 return 0
-            sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, dst[:n])
+            sums = await self._sums(dst[:n])
             good = n
             for i in range(n):
                 if sums[i] != expected[i]:
@@ -476,21 +486,15 @@ class StoreClient:
     async def _write(self, hashes: list[bytes], src: list[int]) -> int:
         if not hashes:
             return 0
-        loop = asyncio.get_running_loop()
-        sums = loop.run_in_executor(None, self._checksums, src)
         groups = self._groups(hashes)
-        counts = await asyncio.gather(*(self._write_one(self.stores[si], pos, hashes, src, sums)
+        counts = await asyncio.gather(*(self._write_one(self.stores[si], pos, hashes, src)
                                         for si, pos in groups.items()))
         return sum(counts)
 
-    async def _write_one(self, s: Store, pos: list[int], hashes: list[bytes], src: list[int], sums) -> int:
-        rid, committed, xfer = 0, False, None
+    async def _write_one(self, s: Store, pos: list[int], hashes: list[bytes], src: list[int]) -> int:
+        rid, have, committed, xfer = 0, 0, False, None
         try:
-            try:
-                r = await self._request(s, S.Reserve(next(self._ids), [hashes[i] for i in pos]),
-                                        self.write_deadline_s)
-            except (StoreDown, TimeoutError):
-                return 0
+            r = await self._request(s, S.Reserve(next(self._ids), [hashes[i] for i in pos]), self.write_deadline_s)
             rid = r.reservation
             have = sum(1 for x in r.slots if x == HAVE)
             s.counters["pages_present"] += have
@@ -506,12 +510,12 @@ class StoreClient:
                 log.warning("%s", e)
                 return have
             xfer = self._track(handle, [])
+            sums = await self._sums(local)  # while the bytes move (the caller keeps the pages unchanged)
             if await xfer != "DONE":
                 s.counters["errors"] += 1
                 return have
-            sums = await sums
-            c = await self._request(s, S.Commit(next(self._ids), rid, [hashes[i] for i, _ in todo],
-                                                [sums[i] for i, _ in todo]), self.write_deadline_s)
+            c = await self._request(s, S.Commit(next(self._ids), rid, [hashes[i] for i, _ in todo], sums),
+                                    self.write_deadline_s)
             committed = True
             n = sum(c.ok)
             s.counters["pages_stored"] += n
@@ -520,7 +524,7 @@ class StoreClient:
                 log.warning("store %s rejected %d of %d written pages (checksum)", s.addr, len(todo) - n, len(todo))
             return have + n
         except (StoreDown, TimeoutError):
-            return 0
+            return have
         finally:
             if rid and not committed:
                 if xfer is not None and not xfer.done():  # bytes may still land: free the slots after
@@ -563,6 +567,15 @@ class StoreClient:
                             self._fenced[p] -= 1
                 if not x.fut.done():
                     x.fut.set_result(state)
+
+    async def _sums(self, pages: list[int]) -> list[bytes]:
+        """Checksums of local pages, hashed on up to CHECKSUM_THREADS executor threads (blake2b lets go
+        of the GIL)."""
+        loop = asyncio.get_running_loop()
+        k = -(-len(pages) // CHECKSUM_THREADS) or 1
+        parts = await asyncio.gather(*(loop.run_in_executor(None, self._checksums, pages[i:i + k])
+                                       for i in range(0, len(pages), k)))
+        return [c for part in parts for c in part]
 
     def _checksums(self, pages: list[int]) -> list[bytes]:
         """blake2b-128 of each local page's canonical bytes (gathered from every rank's pool)."""
