@@ -1,5 +1,6 @@
 """SVG snapshots of `trnd top` panels from recorded /admin/state sequences (tests/top_data: a serve
-with a host L2 tier, and a real decode/prefill pair), at 80x24 and 160x50. No workers run and the
+with a host L2 tier, a real decode/prefill pair, a serve with L2 + an L3 store and that store), at
+80x24 and 160x50. No workers run and the
 clock is injected, so the screens are the same on every run.
 
 Update after an intended change: pytest tests/test_top_snapshots.py --snapshot-update
@@ -17,7 +18,8 @@ from trnd.top.client import Target
 from trnd.top.model import Poll
 
 DATA = Path(__file__).parent / "top_data"
-NAMES = {"serve": "127.0.0.1:8000", "decode": "decode-0:8000", "prefill": "prefill-0:8101"}
+NAMES = {"serve": "127.0.0.1:8000", "decode": "decode-0:8000", "prefill": "prefill-0:8101",
+         "serve_l3": "10.0.0.1:8000", "store": "10.0.0.2:8301"}
 DOWN = "10.0.0.9:8000"
 SIZES = {"80x24": (80, 24), "160x50": (160, 50)}
 
@@ -66,6 +68,14 @@ def test_serve_batch_single_node(snap_compare):
     """One node: no node column; the waiting queue after the running batch."""
     app, feed = recorded(("serve",), upto=8)
     assert snap_compare(app, press=["2"], terminal_size=(80, 24), run_before=feed)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("panel", ["1", "3"])
+def test_tiers_with_l3_store(snap_compare, panel, size):
+    """A serve with host L2 and an L3 store (its client view), and the store node itself."""
+    app, feed = recorded(("serve_l3", "store"), upto=8)
+    assert snap_compare(app, press=[panel], terminal_size=SIZES[size], run_before=feed)
 
 
 @pytest.mark.parametrize("panel", ["1", "3"])

@@ -118,6 +118,17 @@ def _bench_parser(sub) -> None:
     d.add_argument("--reps", type=int, default=3)
     d.add_argument("--kv-memory-gb", type=float, default=2.0)
     d.add_argument("--threads", type=int, default=None)
+    t = bsub.add_parser("tiers", help="multi-turn agentic replay: tiers off vs host L2 vs L2 + remote L3")
+    t.add_argument("--model", default="small", help="model dir or preset (default small)")
+    t.add_argument("--point", default="8k")
+    t.add_argument("--sessions", type=int, default=8)
+    t.add_argument("--turns", type=int, default=4)
+    t.add_argument("--first", type=int, default=512, help="tokens in each session's first prompt")
+    t.add_argument("--growth", type=int, default=256, help="new tokens a turn (the user's message)")
+    t.add_argument("--gen", type=int, default=16, help="tokens generated a turn")
+    t.add_argument("--kv-memory-gb", type=float, default=0.1, help="device pool per role: below the working set")
+    t.add_argument("--host-gb", type=float, default=1.0)
+    t.add_argument("--store-gb", type=float, default=1.0)
 
 
 def build_parser() -> argparse.ArgumentParser:

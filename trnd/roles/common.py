@@ -32,7 +32,7 @@ def build_engine(model_dir: Path, point_name: str, *, dtype, backend, tp, kv_mem
     if num_pages < need:
         raise StartupError(
             f"point {point.name!r} needs {need} pages of {point.page_size} tokens for one {point.max_context}-token "
-            f"sequence ({need * page_bytes / 2**30:.2f} GiB per rank), but kv_memory_gb = {kv_memory_gb} holds "
+            f"sequence ({need * page_bytes / 2**20:.1f} MiB per rank), but kv_memory_gb = {kv_memory_gb} holds "
             f"only {num_pages}: raise kv_memory_gb or pick a smaller point")
     engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, backend=backend, page_size=point.page_size,
                                  num_pages=num_pages, max_model_len=max_model_len or point.max_context,

@@ -5,6 +5,7 @@ forwards SIGTERM/SIGINT/SIGHUP. `trnd serve --aggregated` runs everything in one
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -20,6 +21,7 @@ import msgspec
 from trnd.config import ServeConfig
 
 log = logging.getLogger("trnd.local")
+EX_CONFIG = 78
 
 
 def _free_port() -> int:
@@ -31,7 +33,8 @@ def _free_port() -> int:
 
 
 def _write(path: Path, data: dict) -> Path:
-    path.write_bytes(msgspec.toml.encode({k: v for k, v in data.items() if v is not None}))
+    """Flat TOML: JSON's strings, numbers, booleans and arrays are valid TOML values."""
+    path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in data.items() if v is not None))
     return path
 
 
@@ -122,6 +125,11 @@ def run(cfg: ServeConfig, model: str) -> int:
                     and _ok(cfg.port, "/health")):  # decode's /health: its engine loop is making progress
                 notify.watchdog()
                 last_beat = now
+            if procs["prefill"].poll() == EX_CONFIG:  # a bad config does not get better by restarting
+                log.error("prefill refused its configuration; stopping the deployment")
+                procs["decode"].send_signal(signal.SIGTERM)
+                procs["decode"].wait(30)
+                return EX_CONFIG
             if procs["prefill"].poll() is not None and not stopping:
                 log.warning("prefill exited with %s; restarting it in %.1f s", procs["prefill"].returncode, backoff)
                 time.sleep(backoff)

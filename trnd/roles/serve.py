@@ -1,4 +1,5 @@
-"""`trnd serve`: the aggregated deployment, one process owning the model, the scheduler and the API."""
+"""`trnd serve`: by default a local prefill + decode deployment (roles/local.py); with `aggregated`,
+one process owning the model, the scheduler and the API (here)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def run(cfg: ServeConfig) -> int:
     from trnd.engine.loop import EngineLoop
     from trnd.roles.runtime import http_server, run_async
 
+    if not cfg.aggregated:
+        from trnd.roles import local
+
+        return local.run(cfg, str(resolve_model(cfg.model)))
     with Lifecycle("serve", cfg) as life:
         model_dir = resolve_model(cfg.model)
         life.status(f"loading {model_dir}")

@@ -93,13 +93,19 @@ def render_plain(tracks: list[NodeTrack], now: float = 0.0) -> str:
                             str(r.max_tokens), fmt_rate(r.tokens_per_s), f"{r.age_s:.1f}s"] for r in reqs],
                           {3, 4, 5, 6, 7, 8})
         for tier in t.tiers():
+            extra = "".join(f", {x}" for x in ([tier.note] if tier.note else [])
+                            + ([f"hit {tier.hit_rate:.1%}"] if tier.hit_rate is not None else []))
+            if not tier.usage_known:
+                out.append(f"cache {tier.name}: {tier.total} slots{extra}")
+                continue
             used = (tier.in_use + tier.cached) / tier.total if tier.total else 0.0
             out.append(f"cache {tier.name}: {tier.total} pages ({fmt_bytes(tier.page_bytes)} each): in use "
-                       f"{tier.in_use}, cached {tier.cached}, free {tier.free} ({used:.0%} used)")
-        rad = t.state.get("radix") or {}
-        out.append(f"prefix cache: hit {rad.get('hit_rate', 0.0):.1%} ({rad.get('hit_tokens', 0)}/"
-                   f"{rad.get('query_tokens', 0)} tokens), evicted {rad.get('evicted_pages', 0)} pages, "
-                   f"{rad.get('nodes', 0)} nodes")
+                       f"{tier.in_use}, cached {tier.cached}, free {tier.free} ({used:.0%} used){extra}")
+        rad = t.state.get("radix")
+        if rad:
+            out.append(f"prefix cache: hit {rad.get('hit_rate', 0.0):.1%} ({rad.get('hit_tokens', 0)}/"
+                       f"{rad.get('query_tokens', 0)} tokens), evicted {rad.get('evicted_pages', 0)} pages, "
+                       f"{rad.get('nodes', 0)} nodes")
         for label, figs in t.hot_prefixes()[:5]:
             out.append(f"  hot: {label[:60]} ({figs})")
         counters, flights, peers = t.transfers()

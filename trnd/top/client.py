@@ -52,7 +52,8 @@ def _loopback(host: str) -> str:
 
 def targets_from_configs(config_dir: str = CONFIG_DIR, api_key: str | None = None) -> list[Target]:
     """One target per role config in `config_dir/*.toml`: the admin URL from host and port (serve,
-    decode) or admin_port (prefill). The role comes from the file name, else from its fields."""
+    decode), admin_port (prefill, store), plus a local serve's prefill_admin_port when it is fixed.
+    The role comes from the file name, else from its fields."""
     out = []
     for path in sorted(glob.glob(os.path.join(config_dir, "*.toml"))):
         try:
@@ -63,11 +64,16 @@ def targets_from_configs(config_dir: str = CONFIG_DIR, api_key: str | None = Non
         if not isinstance(cfg, dict) or "points" in cfg:  # points.toml is not a role
             continue
         stem = os.path.splitext(os.path.basename(path))[0]
-        prefill = stem.startswith("prefill") or ("admin_port" in cfg or "control_port" in cfg)
         host = _loopback(str(cfg.get("host", "127.0.0.1")))
-        port = cfg.get("admin_port", 8101) if prefill else cfg.get("port", 8000)
         key = api_key or (cfg.get("api_key") if isinstance(cfg.get("api_key"), str) else None)
-        out.append(parse_target(f"http://{host}:{port}", key))
+        if stem.startswith("store"):
+            ports = [cfg.get("admin_port", 8301)]
+        elif stem.startswith("prefill") or "admin_port" in cfg or "control_port" in cfg:
+            ports = [cfg.get("admin_port", 8101)]
+        else:  # serve or decode: the API port; a local deployment's prefill when its admin port is fixed
+            ports = [cfg.get("port", 8000)] + ([cfg["prefill_admin_port"]] if cfg.get("prefill_admin_port") and
+                                              not cfg.get("aggregated") else [])
+        out += [parse_target(f"http://{host}:{port}", key) for port in ports]
     return out
 
 

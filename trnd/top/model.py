@@ -66,6 +66,8 @@ class Tier:
     load_per_s: float | None = None
     store_per_s: float | None = None
     hit_rate: float | None = None  # lookups that found the page in this tier
+    note: str = ""  # e.g. the L3 stores behind a client's remote tier, whose page counts only they know
+    usage_known: bool = True
 
 
 @dataclass
@@ -132,7 +134,7 @@ class NodeTrack:
             prev = None  # restarted (or the same snapshot twice): no rates across processes
             self.peer_hist.clear()
         self.prev, self.state, self.last = prev, st, st
-        self.known = {"role": st.get("role", "?"), "model": st.get("model", "?"), "point": st.get("point"),
+        self.known = {"role": st.get("role", "?"), "model": st.get("model", "-"), "point": st.get("point"),
                       "tp": (st.get("layout") or {}).get("tp")}
         self._derive(prev, st)
 
@@ -237,7 +239,8 @@ class NodeTrack:
                             pg.get("free", 0), pg.get("page_bytes"), self.rates.get("evict"), None))
         for t in _raw_tiers(self.state):
             ev, ld, sto = self.tier_rates.get(t.name, (None, None, None))
-            out.append(Tier(t.name, t.total, t.in_use, t.cached, t.free, t.page_bytes, ev, ld, sto, t.hit_rate))
+            out.append(Tier(t.name, t.total, t.in_use, t.cached, t.free, t.page_bytes, ev, ld, sto, t.hit_rate,
+                            t.note, t.usage_known))
         return out
 
     def hot_prefixes(self) -> list[tuple[str, str]]:
@@ -299,11 +302,16 @@ class _RawTier:
     loaded: int | None
     stored: int | None
     hit_rate: float | None
+    note: str = ""
+    usage_known: bool = True
 
 
 def _raw_tiers(st: dict | None) -> list[_RawTier]:
-    """The optional `tiers` field: {"policy": ..., "host": {...}, <L3>: {...}} (a tier is any dict in it;
-    a list of dicts with "name" is taken too). A tier's used slots hold cached pages; none are in use."""
+    """Cache tiers below the device pool, from the optional `tiers` field: {"policy": ..., "host": {...},
+    "remote": {...}} (a tier is any dict in it; a list of dicts with "name" is taken too). A host tier's
+    used slots hold cached pages, none in use. A `trnd store` node is itself one tier: its slots."""
+    if (st or {}).get("role") == "store":
+        return [_store_tier(st)]
     raw = (st or {}).get("tiers") or []
     items = list(raw.items()) if isinstance(raw, dict) else [(t.get("name", f"tier{i}"), t) for i, t in
                                                              enumerate(raw) if isinstance(t, dict)]
@@ -311,17 +319,50 @@ def _raw_tiers(st: dict | None) -> list[_RawTier]:
     for name, t in items:
         if not isinstance(t, dict):
             continue
+        if isinstance(t.get("stores"), list):
+            out.append(_remote_tier(str(name), t))
+            continue
         total = int(_first(t, "total", "slots", "total_pages", "capacity_pages") or 0)
         in_use = int(_first(t, "in_use") or 0)
         cached = int(_first(t, "cached", "cached_pages", "used") or 0)
         free = int(_first(t, "free") if _first(t, "free") is not None else max(0, total - in_use - cached))
-        hits, misses = _first(t, "hits"), _first(t, "misses")
         out.append(_RawTier(str(t.get("name", name)), total, in_use, cached, free, t.get("page_bytes"),
                             _first(t, "evicted", "evicted_pages", "evictions"),
                             _first(t, "loaded", "loaded_pages", "loads"), _first(t, "stored", "stored_pages"),
-                            hits / (hits + misses) if hits is not None and misses is not None and hits + misses
-                            else None))
+                            _ratio(_first(t, "hits"), _first(t, "misses"))))
     return out
+
+
+def _remote_tier(name: str, t: dict) -> _RawTier:
+    """A client's view of its L3 stores: capacity and traffic; how full they are only the stores know."""
+    stores = [s for s in t["stores"] if isinstance(s, dict)]
+
+    def total(key: str) -> int:
+        return sum(int(s.get(key) or 0) for s in stores)
+
+    healthy = sum(1 for s in stores if s.get("healthy"))
+    note = f"{len(stores)} store{'s' if len(stores) != 1 else ''}, {healthy} healthy"
+    if t.get("in_flight"):
+        note += f", {t['in_flight']} reads in flight"
+    return _RawTier(name, total("slots"), 0, 0, 0, None, None, total("pages_loaded"),
+                    _first(t, "pages_written") if _first(t, "pages_written") is not None else total("pages_stored"),
+                    _ratio(total("hits"), total("misses")),
+                    note, usage_known=False)
+
+
+def _store_tier(st: dict) -> _RawTier:
+    sl, c = st.get("slots") or {}, st.get("counters") or {}
+    held = int(sl.get("reserved", 0)) + int(sl.get("pinned", 0))  # being written, or leased to a reader
+    cached = max(0, int(sl.get("used", 0)) - int(sl.get("pinned", 0)))
+    clients = len(st.get("clients") or [])
+    return _RawTier("slots", int(sl.get("total", 0)), held, cached, int(sl.get("free", 0)), st.get("slot_bytes"),
+                    _first(c, "evictions"), _first(c, "hits"), _first(c, "committed"),
+                    _ratio(_first(c, "hits"), _first(c, "misses")),
+                    f"{clients} client{'s' if clients != 1 else ''}")
+
+
+def _ratio(hits, misses) -> float | None:
+    return hits / (hits + misses) if hits is not None and misses is not None and hits + misses else None
 
 
 def _first(d: dict, *keys: str):

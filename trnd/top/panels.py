@@ -261,29 +261,35 @@ class CacheCard(Static):
         if t.state is None:
             return title + Content(f"  {t.poll.error}") if t.poll and t.poll.error else title
         for tier in t.tiers():
-            pct = f"{(tier.in_use + tier.cached) / tier.total:4.0%}" if tier.total else "   -"
             label = f"{tier.name[:7]:<7} "
-            lines.append(Content(label) + bar(min(64, width - len(label) - 6), tier.in_use, tier.cached, tier.total)
-                         + Content(f" {pct}"))
+            pad = " " * len(label)
             size = f" × {fmt_bytes(tier.page_bytes)}" if tier.page_bytes else ""
-            legend = (f"[$error]█[/] in use {tier.in_use}  " if tier.name == "device" or tier.in_use else "") + \
-                f"[$primary]▓[/] cached {tier.cached}  [$foreground 50%]░[/] free {tier.free}  / {tier.total}{size}"
-            rates = [f"hit {tier.hit_rate:.1%}"] if tier.hit_rate is not None else []
+            if tier.usage_known:
+                pct = f"{(tier.in_use + tier.cached) / tier.total:4.0%}" if tier.total else "   -"
+                lines.append(Content(label) + bar(min(64, width - len(label) - 6), tier.in_use, tier.cached,
+                                                  tier.total) + Content(f" {pct}"))
+                legend = Content(pad) + Content.from_markup(
+                    (f"[$error]█[/] in use {tier.in_use}  " if tier.name == "device" or tier.in_use else "")
+                    + f"[$primary]▓[/] cached {tier.cached}  [$foreground 50%]░[/] free {tier.free}  "
+                      f"/ {tier.total}{size}")
+            else:  # a client's L3: capacity and traffic only
+                legend = Content(f"{label}{tier.total} slots{size}")
+            rates = [tier.note] if tier.note else []
+            rates += [f"hit {tier.hit_rate:.1%}"] if tier.hit_rate is not None else []
             rates += [f"{what} {fmt_rate(x)}/s" for what, x in (("evict", tier.evict_per_s),
                                                                  ("load", tier.load_per_s),
                                                                  ("store", tier.store_per_s)) if x is not None]
-            legend = Content(" " * len(label)) + Content.from_markup(legend)
             extra = "".join(f" · {r}" for r in rates)
             if legend.cell_length + len(extra) <= width:
                 lines.append(legend + Content(extra))
             else:
-                lines += [legend, Content(" " * len(label) + extra.removeprefix(" · "))]
-        rad = t.state.get("radix") or {}
-        win = f" (recent {t.hit_window:.0%})" if t.hit_window is not None else ""
-        lines.append(Content(f"prefix hit {rad.get('hit_rate', 0.0):.1%}{win} · "
-                             f"{rad.get('hit_tokens', 0)}/{rad.get('query_tokens', 0)} tok · "
-                             f"evicted {rad.get('evicted_pages', 0)} · "
-                             f"radix nodes {rad.get('nodes', 0)}"))
+                lines += [legend, Content(pad + extra.removeprefix(" · "))]
+        rad = t.state.get("radix")
+        if rad:
+            win = f" (recent {t.hit_window:.0%})" if t.hit_window is not None else ""
+            lines.append(Content(f"prefix hit {rad.get('hit_rate', 0.0):.1%}{win} · "
+                                 f"{rad.get('hit_tokens', 0)}/{rad.get('query_tokens', 0)} tok · "
+                                 f"evicted {rad.get('evicted_pages', 0)} · radix nodes {rad.get('nodes', 0)}"))
         hot = t.hot_prefixes()
         if hot:
             lines.append(Content.from_markup("[$text-primary]hottest prefixes[/]"))
