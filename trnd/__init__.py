@@ -2,8 +2,12 @@
 
 import os
 
-# Several trnd processes share a node's cores (prefill + decode roles, TP ranks). OpenMP threads that
-# spin at barriers while another process holds the core make a 1 ms matmul take 13 ms (measured on the
-# 2-core CI machine), so by default threads sleep when idle. Set before torch loads its OpenMP runtime;
-# an operator's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP (libgomp, torch's CPU runtime) threads wait at barriers between ops. Measured on the 2-core
+# CI machine, bf16 1x768 @ 768x2048: spinning forever (OMP_WAIT_POLICY=ACTIVE-like default) is fast
+# alone (143 us) but 47x slower when another process wants the cores (6.7 ms); sleeping at once
+# (PASSIVE) survives sharing (282 us) but adds ~100 us per op alone. A short spin (20k iterations)
+# keeps the alone speed (137 us) and degrades gently (675 us). Processes that know they share the
+# cores (a local prefill + decode deployment, TP ranks) are started with PASSIVE. Set before torch
+# loads its OpenMP runtime; an operator's own settings win.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")

@@ -95,8 +95,17 @@ class WorkerGroup:
         self.procs = [ctx.Process(target=worker_main, name=f"trnd-rank{r}", daemon=True,
                                   args=(r, size, self.port, model_dir, dtype, backend, pools[r], threads))
                       for r in range(1, size)]
-        for p in self.procs:
-            p.start()
+        # Ranks share the node's cores with rank 0: their OpenMP threads sleep when idle (trnd/__init__.py).
+        saved = os.environ.get("OMP_WAIT_POLICY")
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            if saved is None:
+                del os.environ["OMP_WAIT_POLICY"]
+            else:
+                os.environ["OMP_WAIT_POLICY"] = saved
         self._closing = False
         self.tp = init_group(0, size, self.port)
         self._watch = threading.Thread(target=self._watchdog, name="trnd-tp-watch", daemon=True)

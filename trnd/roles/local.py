@@ -81,6 +81,7 @@ def run(cfg: ServeConfig, model: str) -> int:
     from trnd.daemon import notify
 
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the two roles share this node's cores (trnd/__init__.py)
     with tempfile.TemporaryDirectory(prefix="trnd-serve-") as tmp:
         pre_cfg, dec_cfg, control, admin = role_configs(cfg, model, Path(tmp))
         cmd = [sys.executable, "-m", "trnd"]
