@@ -149,7 +149,10 @@ class ChannelClosed(ConnectionError):
 
 
 class Channel:
-    """One authenticated, ordered message stream over a TCP connection."""
+    """One authenticated, ordered message stream over a TCP connection. Subclasses name their own
+    channel's tagged union in `decoder` (the store channel does)."""
+
+    decoder = _msg_dec
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, name: str = "peer"):
         self.reader, self.writer, self.key, self.name = reader, writer, key, name
@@ -197,7 +200,7 @@ class Channel:
                 self._reject(f"frame seq {frame.seq}, expected {self.recv_seq + 1} (duplicate or replay)")
                 continue
             try:
-                msg = _msg_dec.decode(frame.body)
+                msg = self.decoder.decode(frame.body)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 self.recv_seq = frame.seq
                 self._reject(f"malformed message ({e})")

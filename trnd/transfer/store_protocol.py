@@ -13,15 +13,13 @@ client keeps many requests in flight on one connection.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import hmac
 from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
-from trnd.transfer.protocol import Channel, ChannelClosed, MAX_FRAME, Frame, new_nonce, session_key
+from trnd.transfer.protocol import Channel, ChannelClosed, new_nonce, session_key
 
 __all__ = ["Channel", "ChannelClosed", "StoreChannel", "new_nonce", "session_key"]
 
@@ -157,7 +155,6 @@ class Pong(msgspec.Struct, tag=True):
 StoreMessage = (StoreHello | StoreWelcome | Refused | Lookup | Found | Reserve | Reserved | Commit | Committed
                 | Abandon | Release | Corrupt | Failed | Ping | Pong)
 
-_frame_dec = msgspec.msgpack.Decoder(Frame)
 _msg_dec = msgspec.msgpack.Decoder(StoreMessage)
 
 
@@ -165,30 +162,4 @@ class StoreChannel(Channel):
     """transfer/protocol.Channel (send, framing, MAC, sequence, strict handshake) decoding the store's
     union instead of the roles' one."""
 
-    async def recv(self, strict: bool = False) -> StoreMessage:
-        while True:
-            if strict and self.rejected:
-                raise ChannelClosed(f"{self.name}: handshake did not authenticate")
-            try:
-                n = int.from_bytes(await self.reader.readexactly(4), "big")
-                if n > MAX_FRAME:
-                    raise ChannelClosed(f"{self.name}: frame of {n} bytes exceeds {MAX_FRAME}")
-                data = await self.reader.readexactly(n)
-            except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-                raise ChannelClosed(f"{self.name}: connection lost ({e.__class__.__name__})") from None
-            try:
-                frame = _frame_dec.decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self._reject(f"malformed frame ({e})")
-                continue
-            if not hmac.compare_digest(frame.mac, self._mac(frame.seq, frame.body)):
-                self._reject(f"bad MAC on frame seq {frame.seq} (forged, or a different secret)")
-                continue
-            if frame.seq != self.recv_seq + 1:
-                self._reject(f"frame seq {frame.seq}, expected {self.recv_seq + 1} (duplicate or replay)")
-                continue
-            self.recv_seq = frame.seq
-            try:
-                return _msg_dec.decode(frame.body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self._reject(f"malformed message ({e})")
+    decoder = _msg_dec
