@@ -81,3 +81,21 @@ def test_node_budget_is_shared_between_processes(tmp_path):
 def test_engine_refuses_a_host_tier_over_the_node_budget(tiny_qwen3):
     with pytest.raises(BudgetExceeded, match="node host-memory budget"):
         LLM(str(tiny_qwen3), page_size=8, num_pages=64, host_cache_gb=0.5, node_host_memory_gb=0.1)
+
+
+def test_metrics_export_the_host_tier(tiny_qwen3):
+    """/metrics reads the tier counters at scrape time (through the engine loop)."""
+    import asyncio
+
+    from trnd.api.metrics import Metrics
+    from trnd.engine.loop import EngineLoop
+
+    _, engine = run(tiny_qwen3, workload(), num_pages=24, host_cache_gb=0.01)
+    loop = EngineLoop(engine).start()
+    try:
+        text = asyncio.run(Metrics("m").render(loop)).decode()
+    finally:
+        loop.stop()
+    host = engine.tiers.host
+    assert f'trnd:kv_tier_loaded_pages_total{{model_name="m",tier="host"}} {float(host.loaded)}' in text
+    assert host.loaded > 0

@@ -46,6 +46,18 @@ class Metrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("trnd:e2e_request_latency_seconds", "Arrival to last token.", lbl,
                              buckets=_E2E_BUCKETS, registry=r)
+        # Tier counters are cumulative in the engine; exported as gauges of the running totals (a
+        # Counter cannot be set), labelled by tier: host (L2) and remote (L3).
+        tl = lbl + ["tier"]
+        self.tier_pages = Gauge("trnd:kv_tier_pages_used", "Pages held in a lower KV tier.", tl, registry=r)
+        self.tier_hits = Gauge("trnd:kv_tier_hit_pages_total", "Pages found in a lower tier at admission.", tl,
+                               registry=r)
+        self.tier_misses = Gauge("trnd:kv_tier_miss_pages_total", "Pages looked up and not found.", tl, registry=r)
+        self.tier_in = Gauge("trnd:kv_tier_stored_pages_total", "Pages written down into a tier.", tl, registry=r)
+        self.tier_out = Gauge("trnd:kv_tier_loaded_pages_total", "Pages loaded back from a tier.", tl, registry=r)
+        self.tier_evicted = Gauge("trnd:kv_tier_evicted_pages_total", "Pages a tier dropped.", tl, registry=r)
+        self.tier_load_ms = Gauge("trnd:kv_tier_load_latency_ms_p50", "Median remote load latency.", tl,
+                                  registry=r)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)  # export zeros so rate() works from the first scrape
 
@@ -58,9 +70,10 @@ class Metrics:
             e = loop.engine
             pool, radix = e.pool, e.radix
             held = pool.num_pages - pool.num_free - radix.num_evictable_pages
-            return len(e.scheduler.running), len(e.scheduler.waiting), held / max(1, pool.num_pages)
+            tiers = e.tiers.stats() if e.tiers is not None else None
+            return len(e.scheduler.running), len(e.scheduler.waiting), held / max(1, pool.num_pages), tiers
         try:
-            running, waiting, usage = await asyncio.wait_for(loop.run_on_loop(snapshot), timeout)
+            running, waiting, usage, tiers = await asyncio.wait_for(loop.run_on_loop(snapshot), timeout)
         except (asyncio.TimeoutError, RuntimeError):
             pass  # a stuck loop: /health reports it; the counters are still worth serving
         else:
@@ -68,7 +81,25 @@ class Metrics:
             self.running.labels(m).set(running)
             self.waiting.labels(m).set(waiting)
             self.kv_usage.labels(m).set(usage)
+            self._tiers(m, tiers)
         return generate_latest(self.registry)
+
+    def _tiers(self, m: str, tiers: dict | None) -> None:
+        host = tiers and tiers.get("host")
+        if host:
+            for g, k in ((self.tier_pages, "used"), (self.tier_hits, "hits"), (self.tier_misses, "misses"),
+                         (self.tier_in, "stored"), (self.tier_out, "loaded"), (self.tier_evicted, "evicted")):
+                g.labels(m, "host").set(host[k])
+        remote = tiers and tiers.get("remote")
+        if remote:
+            self.tier_in.labels(m, "remote").set(remote.get("pages_written", 0))
+            self.tier_hits.labels(m, "remote").set(sum(s.get("hits", 0) for s in remote.get("stores", [])))
+            self.tier_misses.labels(m, "remote").set(sum(s.get("misses", 0) for s in remote.get("stores", [])))
+            self.tier_out.labels(m, "remote").set(sum(s.get("pages_loaded", 0) for s in
+                                                      remote.get("stores", [])))
+            p50 = (remote.get("load_ms") or {}).get("p50")
+            if p50 is not None:
+                self.tier_load_ms.labels(m, "remote").set(p50)
 
 
 class RequestTracker:
