@@ -73,7 +73,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_killed_rank_takes_the_role_down_with_no_orphans(tiny_qwen3, tmp_path):
-    proc, port = start_serve(tiny_qwen3, "--tp", "2", "--threads", "1", "--kv-memory-gb", "0.05")
+    proc, port = start_serve(tiny_qwen3, "--aggregated", "--tp", "2", "--threads", "1", "--kv-memory-gb", "0.05")
     try:
         wait_ready(port, proc)
         workers = [p for p in _children(proc.pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]

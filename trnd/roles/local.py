@@ -69,7 +69,7 @@ def _ok(port: int, path: str) -> bool:
     import httpx
 
     try:
-        return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1).status_code == 200
+        return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=0.5).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -110,6 +110,7 @@ def run(cfg: ServeConfig, model: str) -> int:
             signal.signal(s, forward)
         backoff = 0.5
         beat = notify.watchdog_interval()
+        beat = beat / 2 if beat else None  # margin: each ping waits on decode's /health
         last_beat = 0.0
         while True:
             rc = procs["decode"].poll()
