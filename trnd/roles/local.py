@@ -65,6 +65,16 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> tuple[Path, Pat
     return prefill, decode, control, admin
 
 
+def _die_with_supervisor() -> None:
+    """In the child before exec: SIGTERM when the supervisor dies, even by SIGKILL (no orphans)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _ok(port: int, path: str) -> bool:
     import httpx
 
@@ -85,8 +95,10 @@ def run(cfg: ServeConfig, model: str) -> int:
     with tempfile.TemporaryDirectory(prefix="trnd-serve-") as tmp:
         pre_cfg, dec_cfg, control, admin = role_configs(cfg, model, Path(tmp))
         cmd = [sys.executable, "-m", "trnd"]
-        procs = {"prefill": subprocess.Popen([*cmd, "prefill", "--config", str(pre_cfg)], env=env),
-                 "decode": subprocess.Popen([*cmd, "decode", "--config", str(dec_cfg)], env=env)}
+        def start(role: str, cfg_path: Path) -> subprocess.Popen:
+            return subprocess.Popen([*cmd, role, "--config", str(cfg_path)], env=env, preexec_fn=_die_with_supervisor)
+
+        procs = {"prefill": start("prefill", pre_cfg), "decode": start("decode", dec_cfg)}
         notify.status("starting prefill and decode")
         print(f"trnd: local deployment: prefill pid {procs['prefill'].pid} (admin http://127.0.0.1:{admin}), "
               f"decode pid {procs['decode'].pid} (API http://{cfg.host}:{cfg.port}/v1)", flush=True)
@@ -136,7 +148,7 @@ def run(cfg: ServeConfig, model: str) -> int:
                 log.warning("prefill exited with %s; restarting it in %.1f s", procs["prefill"].returncode, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 10)
-                procs["prefill"] = subprocess.Popen([*cmd, "prefill", "--config", str(pre_cfg)], env=env)
+                procs["prefill"] = start("prefill", pre_cfg)
             time.sleep(0.2)
         p = procs["prefill"]
         if p.poll() is None:
