@@ -118,6 +118,10 @@ def _bench_parser(sub) -> None:
     d.add_argument("--reps", type=int, default=3)
     d.add_argument("--kv-memory-gb", type=float, default=2.0)
     d.add_argument("--threads", type=int, default=None)
+    from trnd.bench import serve_compare
+
+    sc = bsub.add_parser("serve-compare", help="trnd vs vLLM's CPU build, both loaded by `vllm bench serve`")
+    serve_compare.add_arguments(sc)
     t = bsub.add_parser("tiers", help="multi-turn agentic replay: tiers off vs host L2 vs L2 + remote L3")
     t.add_argument("--model", default="small", help="model dir or preset (default small)")
     t.add_argument("--point", default="8k")
