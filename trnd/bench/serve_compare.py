@@ -736,6 +736,7 @@ def main(args) -> int:
           f"{info['peer']}", flush=True)
     runs: dict[str, dict[int, list[dict]]] = {}
     profiles: dict[str, dict] = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwind: stop the server we started
     for rnd in range(1, args.rounds + 1):
         for key in keys if rnd % 2 else keys[::-1]:  # even rounds in reverse: no side always measured last
             for c, r in measure(ctx, key, concs, info, rnd, profiles if rnd == 1 else None).items():
