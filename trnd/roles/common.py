@@ -15,33 +15,34 @@ from trnd.transfer.protocol import Manifest
 log = logging.getLogger("trnd.role")
 
 
-def build_engine(model_dir: Path, point_name: str, *, dtype, backend, tp, kv_memory_gb, prefix_cache, threads,
-                 remote_prefill: bool = False, max_model_len: int | None = None, host_cache_gb: float = 0.0,
-                 host_policy: str = "write-back", node_host_memory_gb: float | None = None,
-                 store: list[str] | None = None, store_secret: bytes | None = None, store_on_finish: bool = True,
-                 store_deadline_s: float = 1.0, role: str = "serve") -> tuple[Engine, DecodePoint]:
-    point = get_point(point_name)
-    mc = ModelConfig.from_dir(model_dir, dtype)
+def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None, remote_prefill: bool = False,
+                 max_model_len: int | None = None) -> tuple[Engine, DecodePoint]:
+    """The engine of a disaggregated role (cfg: PrefillConfig or DecodeConfig), shaped by its point:
+    page size, max context, max batch and prefill chunk come from the point, the pool from the
+    memory budget; refuses to start if one max-context sequence cannot fit."""
+    point = get_point(cfg.point)
+    mc = ModelConfig.from_dir(model_dir, cfg.dtype)
     from trnd.engine.runner import kv_page_bytes
     from trnd.parallel import TPGroup
 
-    h0, h1 = TPGroup(0, tp).kv_heads(mc.num_kv_heads)
+    h0, h1 = TPGroup(0, cfg.tp).kv_heads(mc.num_kv_heads)
     page_bytes = kv_page_bytes(mc, h1 - h0, point.page_size)
-    num_pages = int(kv_memory_gb * 2**30) // page_bytes
+    num_pages = int(cfg.kv_memory_gb * 2**30) // page_bytes
     need = point.pool_pages_needed()
     if num_pages < need:
         raise StartupError(
             f"point {point.name!r} needs {need} pages of {point.page_size} tokens for one {point.max_context}-token "
-            f"sequence ({need * page_bytes / 2**20:.1f} MiB per rank), but kv_memory_gb = {kv_memory_gb} holds "
+            f"sequence ({need * page_bytes / 2**20:.1f} MiB per rank), but kv_memory_gb = {cfg.kv_memory_gb} holds "
             f"only {num_pages}: raise kv_memory_gb or pick a smaller point")
-    engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, backend=backend, page_size=point.page_size,
-                                 num_pages=num_pages, max_model_len=max_model_len or point.max_context,
-                                 max_batch=point.max_batch, token_budget=point.prefill_chunk,
-                                 chunk_size=point.prefill_chunk, prefix_cache=prefix_cache, threads=threads, tp=tp,
-                                 remote_prefill=remote_prefill, host_cache_gb=host_cache_gb,
-                                 host_policy=host_policy, node_host_memory_gb=node_host_memory_gb,
-                                 store=list(store or []), store_secret=store_secret,
-                                 store_on_finish=store_on_finish, store_deadline_s=store_deadline_s, role=role))
+    engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, backend=cfg.backend,
+                                 page_size=point.page_size, num_pages=num_pages,
+                                 max_model_len=max_model_len or point.max_context, max_batch=point.max_batch,
+                                 token_budget=point.prefill_chunk, chunk_size=point.prefill_chunk,
+                                 prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp,
+                                 remote_prefill=remote_prefill, host_cache_gb=cfg.host_cache_gb,
+                                 host_policy=cfg.host_policy, node_host_memory_gb=cfg.node_host_memory_gb,
+                                 store=list(cfg.store), store_secret=secret, store_on_finish=cfg.store_on_finish,
+                                 store_deadline_s=cfg.store_deadline_s, role=role))
     return engine, point
 
 

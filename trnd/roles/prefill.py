@@ -63,13 +63,7 @@ class PrefillServer:
     def __init__(self, cfg: PrefillConfig, model_dir, model_name: str):
         self.cfg = cfg
         self.secret = cfg.resolved_secret()
-        self.engine, self.point = build_engine(model_dir, cfg.point, dtype=cfg.dtype, backend=cfg.backend, tp=cfg.tp,
-                                               kv_memory_gb=cfg.kv_memory_gb, prefix_cache=cfg.prefix_cache,
-                                               threads=cfg.threads, host_cache_gb=cfg.host_cache_gb,
-                                               host_policy=cfg.host_policy,
-                                               node_host_memory_gb=cfg.node_host_memory_gb, store=cfg.store,
-                                               store_secret=self.secret, store_on_finish=cfg.store_on_finish,
-                                               store_deadline_s=cfg.store_deadline_s, role="prefill")
+        self.engine, self.point = build_engine(model_dir, cfg, role="prefill", secret=self.secret)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "prefill", model_name)
         self.layout = layout_of(self.engine)
