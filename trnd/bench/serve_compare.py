@@ -572,7 +572,8 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          f"- Machine: {facts['nproc']} cores ({facts['cpu']}, AVX-512 BF16: "
          f"{'yes' if facts['avx512_bf16'] else 'no'}), "
          f"{facts['mem_gib']} GiB RAM, Linux {facts['kernel']}; mean 1-minute load average while each server "
-         "was up (2 = both cores busy; above that, other engineers' work competed): "
+         "was up (it counts the server's and the load generator's own threads too, so 2-3 is this benchmark "
+         "alone and more means other engineers' work competed): "
          + ", ".join(f"{SERVERS[k]} {' / '.join(v)}" for k, v in info["load"].items())
          + (" (round 1 / round 2 / ...)" if info["rounds"] > 1 else "") + ".",
          f"- Model: `small` preset ({info['model']}), ~100M parameters, Qwen3 architecture, random weights, bf16.",
