@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from .procs import free_port  # noqa: E402  (shared with the other process tests)
+
 REPO = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 512
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
