@@ -99,3 +99,62 @@ def test_metrics_export_the_host_tier(tiny_qwen3):
     host = engine.tiers.host
     assert f'trnd:kv_tier_loaded_pages_total{{model_name="m",tier="host"}} {float(host.loaded)}' in text
     assert host.loaded > 0
+
+
+def test_decode_keeps_stepping_while_a_request_waits_for_host_pages(tiny_qwen3):
+    """The copy back from L2 runs on the load thread: with that thread held, a running request keeps
+    producing tokens while the revisiting one waits, parked, for its pages; then it completes with the
+    same tokens as a big pool."""
+    import threading
+
+    prompts = workload()
+    (want,), _ = run(tiny_qwen3, [prompts[4]], num_pages=512)
+    llm = LLM(str(tiny_qwen3), page_size=8, max_batch=4, num_pages=48, host_cache_gb=0.01)
+    for p in prompts[:4]:  # four histories through a pool that holds two: the first goes down to L2
+        llm.generate([p], GREEDY)
+    e = llm.engine
+    gate = threading.Event()
+    e.tiers.host._load.submit(gate.wait)  # the load thread is busy until the gate opens
+    runner = e.add([3] * 20, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    revisit = e.add(prompts[4], GREEDY)  # session 0's next turn: its history is in L2 only
+    got: dict[str, list[int]] = {runner.rid: [], revisit.rid: []}
+    for _ in range(12):
+        for out in e.step():
+            got[out.rid] += out.token_ids
+    assert revisit.rid in e.scheduler.loading and e.scheduler.loading[revisit.rid].tier == "host"
+    assert len(got[runner.rid]) >= 10 and got[revisit.rid] == []
+    gate.set()
+    while revisit.status.name != "FINISHED" or runner.status.name != "FINISHED":
+        for out in e.step():
+            got[out.rid] += out.token_ids
+    assert got[revisit.rid] == want
+    assert revisit.num_loaded >= 160 - 8  # its history came from L2, not recomputed
+    e.poll()
+    e.check_integrity()
+    assert e.tiers.host.stats()["pinned_slots"] == 0
+
+
+def test_host_slots_under_a_copy_are_neither_evicted_nor_half_visible():
+    """A slot being read stays put while puts churn the LRU; a page being saved is not found until its
+    copy is done."""
+    import threading
+
+    from trnd.cache.host import HostTier
+
+    pool = torch.arange(16 * 4, dtype=torch.float32).reshape(16, 4)
+    host = HostTier([pool], num_slots=4)
+    keys = [bytes([i]) for i in range(16)]
+    host.put(keys[:4], [0, 1, 2, 3])
+    gate = threading.Event()
+    host._load.submit(gate.wait)
+    fut = host.load(keys[:1], [15])  # queued behind the gate: slot of keys[0] pinned
+    host.put(keys[4:8], [4, 5, 6, 7])  # wants all four slots: only three are free to take
+    assert host.probe(keys[:1]) == 1 and host.stats()["pinned_slots"] == 1
+    host._save.submit(gate.wait)
+    saving = host.put_async(keys[8:9], [8])
+    assert host.probe(keys[8:9]) == 0 and not saving.done()
+    gate.set()
+    assert fut.result(5) == 1 and torch.equal(pool[15], pool[0])
+    assert saving.result(5) == 1 and host.probe(keys[8:9]) == 1
+    assert host.stats()["pinned_slots"] == 0 and host.num_used <= 4
+    host.close()

@@ -156,7 +156,7 @@ def test_requests_rows_and_states():
     rows = d.requests()
     last = states("decode")[-1]
     assert [r.id for r in rows if not r.queued] == [r["id"] for r in last["running"]]
-    assert {r.state for r in rows} <= {"decoding", "prefilling", "waiting KV", "waiting"}
+    assert {r.state for r in rows} <= {"decoding", "prefilling", "waiting KV", "loading KV", "waiting"}
     assert any(r.state == "waiting KV" for r in track_of("decode", 1).requests())  # "waiting_for_kv" in the state
     s = track_of("serve")
     queued = [r for r in s.requests() if r.queued]

@@ -139,7 +139,8 @@ def ttft(port: int, prompt: list[int], reps: int) -> float:
     return statistics.median(out)
 
 
-def start(kind: str, model: str, point: str, kv_gb: float, tmp: Path, threads: int | None) -> tuple[list, int]:
+def start(kind: str, model: str, point: str, kv_gb: float, tmp: Path, threads: int | None
+          ) -> tuple[list, int, int | None]:
     exe = [sys.executable, "-m", "trnd"]
     th = ["--threads", str(threads)] if threads else []
     port = _free_port()
@@ -161,7 +162,7 @@ def start(kind: str, model: str, point: str, kv_gb: float, tmp: Path, threads: i
                  subprocess.Popen([*exe, "decode", *common, "--port", str(port), "--prefill", f"127.0.0.1:{cp}",
                                    "--served-model-name", "m"], stdout=log, stderr=subprocess.STDOUT)]
     _wait(port, procs)
-    return procs, port
+    return procs, port, None if kind == "aggregated" else ap
 
 
 def main(args) -> int:
@@ -182,12 +183,16 @@ def main(args) -> int:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompts = {n: torch.randint(10, min(vocab, 15000), (n,), generator=g).tolist() for n in lengths}
     results: dict[str, dict[int, float]] = {}
+    handoffs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("aggregated", "disagg", "disagg-nopipe"):
-            procs, port = start(kind, model, args.point, args.kv_memory_gb, Path(tmp), args.threads)
+            procs, port, admin = start(kind, model, args.point, args.kv_memory_gb, Path(tmp), args.threads)
             try:
                 ttft(port, prompts[lengths[0]][:256], 1)  # warm-up
                 results[kind] = {n: ttft(port, prompts[n], args.reps) for n in lengths}
+                if admin is not None:
+                    handoffs[kind] = httpx.get(f"http://127.0.0.1:{admin}/admin/state", timeout=10
+                                               ).json()["transfers"]
             finally:
                 _stop(procs)
             print(f"  measured {kind}: " + ", ".join(f"{n}: {t * 1e3:.0f} ms" for n, t in results[kind].items()),
@@ -197,4 +202,9 @@ def main(args) -> int:
     for n in lengths:
         a, d, np_ = results["aggregated"][n], results["disagg"][n], results["disagg-nopipe"][n]
         print(f"{n:>8}{a * 1e3:>10.0f}ms{d * 1e3:>8.0f}ms{d / a:>7.2f}x{np_ * 1e3:>11.0f}ms{np_ / a:>7.2f}x")
+    print("\nThe handoff inside the roles (prefill's /admin/state, every transfer of the run):")
+    for kind, t in handoffs.items():
+        mb, ms = t["bytes"] / 1e6, t["xfer_ms"]
+        print(f"  {kind}: {t['xfers']} transfers, {mb:.0f} MB, {ms:.0f} ms posted to done "
+              f"({t['post_ms']:.0f} ms inside the post call): {mb / max(ms, 1e-3):.2f} GB/s")
     return 0

@@ -5,8 +5,9 @@ pages down (write-back), a finished request's pages can go down at once (write-t
 remote store for the next turn of a session), and admission asks the lower tiers for the pages that
 follow a device hit. Every tier names a page by the same chained hash (cache/hashing.py).
 
-Remote operations are futures (the store client runs its own thread); pages they touch stay owned
-here — pool references — until they resolve, so a page is never reused under a transfer.
+Host loads and write-through saves run on the host tier's copy threads, remote operations on the store
+client's thread: all are futures, and the device pages they touch stay owned here (pool references)
+or by the loading request until they resolve, so a page is never reused under a copy.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class Tiers:
         self.radix, self.pool, self.page_size, self.namespace = radix, pool, page_size, namespace
         self.host, self.policy = host, policy
         self.remote, self.remote_on_finish = remote, remote_on_finish
-        self._writes: list[tuple[concurrent.futures.Future, list[int]]] = []  # pages held until written
+        # (future, device pages held until it resolves, tier)
+        self._writes: list[tuple[concurrent.futures.Future, list[int], str]] = []
         self._fenced: list[int] = []  # pages a timed-out remote read may still write into
         self.remote_written = 0
         if host is not None and policy == "write-back":
@@ -49,18 +51,20 @@ class Tiers:
             return
         hashes = self.hashes(token_ids)
         if self.host is not None and self.policy == "write-through":
-            self.host.put(hashes, pages)
+            self.pool.ref(pages)
+            self._writes.append((self.host.put_async(hashes, list(pages)), list(pages), "host"))
         if self.remote is not None and self.remote_on_finish and pages:
             self.pool.ref(pages)
-            self._writes.append((self.remote.write(hashes, list(pages)), list(pages)))
+            self._writes.append((self.remote.write(hashes, list(pages)), list(pages), "remote"))
 
     # -- loads --------------------------------------------------------------------------------------
 
     def host_probe(self, hashes: list[bytes]) -> int:
         return self.host.probe(hashes) if self.host is not None else 0
 
-    def host_load(self, hashes: list[bytes], pages: list[int]) -> int:
-        return self.host.load(hashes, pages) if self.host is not None else 0
+    def host_load(self, hashes: list[bytes], pages: list[int]) -> concurrent.futures.Future:
+        """Starts the copy on the load thread; the future gives how many leading pages arrived."""
+        return self.host.load(hashes, pages)
 
     def remote_lookup(self, hashes: list[bytes]) -> concurrent.futures.Future:
         return self.remote.lookup(hashes)
@@ -83,12 +87,13 @@ class Tiers:
     def poll(self) -> None:
         if self._writes:
             keep = []
-            for fut, pages in self._writes:
+            for fut, pages, tier in self._writes:
                 if fut.done():
-                    self.remote_written += fut.result() if not fut.exception() else 0
+                    if tier == "remote":
+                        self.remote_written += fut.result() if not fut.exception() else 0
                     self.pool.unref(pages)
                 else:
-                    keep.append((fut, pages))
+                    keep.append((fut, pages, tier))
             self._writes = keep
         if self._fenced:
             still = self.remote.fenced()
@@ -102,12 +107,18 @@ class Tiers:
         return bool(self._writes or self._fenced)
 
     def held_pages(self) -> list[list[int]]:
-        return [pages for _, pages in self._writes] + [self._fenced]
+        return [pages for _, pages, _ in self._writes] + [self._fenced]
 
     def reset(self) -> int:
         return self.host.reset() if self.host is not None else 0
 
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        if self.remote is not None:
+            self.remote.close()
+
     def stats(self) -> dict:
         return {"policy": self.policy, "host": self.host.stats() if self.host is not None else None,
-                "remote": ({**self.remote.state(), "writes_in_flight": len(self._writes),
+                "remote": ({**self.remote.state(), "writes_in_flight": sum(t == "remote" for *_, t in self._writes),
                             "pages_written": self.remote_written} if self.remote is not None else None)}

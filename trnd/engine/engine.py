@@ -303,8 +303,8 @@ class Engine:
         self.scheduler._release(req)
 
     def close(self) -> None:
-        if self.tiers is not None and self.tiers.remote is not None:
-            self.tiers.remote.close()
+        if self.tiers is not None:
+            self.tiers.close()
         if self.workers:
             self.workers.close()
             self.workers = None
@@ -333,7 +333,9 @@ class Engine:
         sched = self.scheduler
 
         def req_state(r: Req) -> dict:
-            if r.status is Status.WAITING:
+            if r.rid in sched.loading:
+                phase = "loading_kv"  # parked on a host (L2) copy or a remote (L3) read
+            elif r.status is Status.WAITING:
                 phase = "waiting"
             elif r.rid in sched.transferring:
                 phase = "waiting_for_kv"
@@ -354,7 +356,8 @@ class Engine:
         st = self.stats
         return {
             "running": [req_state(r) for r in (*sched.running, *sched.transferring.values())],
-            "waiting": [req_state(r) for r in sched.waiting],
+            "waiting": [req_state(r) for r in (*sched.waiting, *(j.req for j in sched.loading.values()
+                                                                  if not j.aborted))],
             "pages": {"total": self.pool.num_pages, "free": self.pool.num_free, "in_use": in_use,
                       "cached": cached_only, "page_size": self.cfg.page_size,
                       "page_bytes": self.runner.page_bytes},

@@ -44,12 +44,14 @@ class Batch:
 
 
 @dataclass
-class RemoteLoad:
-    """A request parked while the remote store (L3) is asked for the pages after its local hits."""
+class TierLoad:
+    """A request parked while a lower tier brings the pages after its device hit: host L2 (a copy on the
+    load thread) or the remote store L3 (a lookup, then a read). The batch keeps stepping meanwhile."""
     req: Req
     hashes: list[bytes]
     fut: concurrent.futures.Future
-    pages: list[int] = field(default_factory=list)  # allocated for the read, owned here until it resolves
+    pages: list[int] = field(default_factory=list)  # allocated for the copy, owned here until it resolves
+    tier: str = "remote"  # "host" or "remote"
     aborted: bool = False
 
 
@@ -64,7 +66,7 @@ class Scheduler:
         self.remote_prefill = remote_prefill
         self.transferring: dict[str, Req] = {}
         self.tiers = None  # cache/tiers.py: lower tiers asked for the pages after a device hit
-        self.loading: dict[str, RemoteLoad] = {}  # parked on a remote (L3) lookup or read
+        self.loading: dict[str, TierLoad] = {}  # parked on a host (L2) copy or a remote (L3) lookup/read
         self._probed: set[str] = set()  # asked L3 once already (a miss is not asked again)
         self._locks: dict[str, object] = {}  # rid -> radix node locked for its borrowed prefix
 
@@ -140,7 +142,11 @@ class Scheduler:
         while self.waiting and budget > 0 and self.num_active < self.cfg.max_batch:
             req = self.waiting[0]
             if self.remote_prefill and req.num_output == 0:
-                if not self._admit(req, req.num_prompt, whole=True):  # all prompt pages, reserved up front
+                admitted = self._admit(req, req.num_prompt, whole=True)  # all prompt pages, reserved up front
+                if admitted is None:  # parked on a host-tier copy
+                    self.waiting.popleft()
+                    continue
+                if not admitted:
                     break
                 self.waiting.popleft()
                 req.status = Status.RUNNING
@@ -148,7 +154,7 @@ class Scheduler:
                 batch.remote.append(req)
                 continue
             admitted = self._admit(req, budget)
-            if admitted is None:  # parked on a remote lookup
+            if admitted is None:  # parked on a lower tier
                 self.waiting.popleft()
                 continue
             if not admitted:
@@ -186,7 +192,7 @@ class Scheduler:
         return True
 
     def _admit(self, req: Req, budget: int, whole: bool = False) -> bool | None:
-        """True: pages for its next chunk are committed. False: not now. None: parked on L3."""
+        """True: pages for its next chunk are committed. False: not now. None: parked on a lower tier."""
         if req.num_computed == 0 and self.cfg.prefix_cache:
             # Match on all but the last token: at least one token must run to produce logits.
             m = self.radix.match(req.all_ids[:-1])
@@ -197,10 +203,8 @@ class Scheduler:
                 req.pages = list(m.pages)
                 req.num_locked_pages = len(m.pages)
             req.num_cached = req.num_computed = m.num_tokens
-            if self.tiers is not None:
-                self._load_lower_tiers(req)
-                if not whole and self._ask_remote(req):
-                    return None
+            if self.tiers is not None and (self._load_host(req) or (not whole and self._ask_remote(req))):
+                return None
         need = self._pages_needed(req, req.num_uncomputed if whole else self._chunk(req, budget))
         if self._reserve(need):
             req.pages += self.pool.alloc(need)
@@ -208,20 +212,16 @@ class Scheduler:
         self._release(req)  # give back what the match borrowed; try again next step
         return False
 
-    def _load_lower_tiers(self, req: Req) -> None:
-        """Pages after the device hit that the host tier holds: load them instead of recomputing."""
-        ps = self.cfg.page_size
+    def _load_host(self, req: Req) -> bool:
+        """Park the request while the host tier copies the pages after its device hit (instead of
+        recomputing them); the batch keeps stepping."""
         hashes = self.tiers.hashes(req.all_ids[:-1])[len(req.pages):]
         k = self.tiers.host_probe(hashes)
         if not k or not self._reserve(k):
-            return
+            return False
         pages = self.pool.alloc(k)
-        n = self.tiers.host_load(hashes[:k], pages)  # eviction in _reserve may have pushed some out
-        if n < k:
-            self.pool.unref(pages[n:])
-        req.pages += pages[:n]
-        req.num_cached = req.num_computed = req.num_computed + n * ps
-        req.num_loaded = n * ps
+        self.loading[req.rid] = TierLoad(req, hashes, self.tiers.host_load(hashes[:k], pages), pages, tier="host")
+        return True
 
     def _ask_remote(self, req: Req) -> bool:
         """Park the request while L3 is asked for the full pages after its local hits."""
@@ -231,33 +231,35 @@ class Scheduler:
         hashes = self.tiers.hashes(req.all_ids[:-1])[len(req.pages):]
         if not hashes:
             return False
-        self.loading[req.rid] = RemoteLoad(req, hashes, self.tiers.remote_lookup(hashes))
+        self.loading[req.rid] = TierLoad(req, hashes, self.tiers.remote_lookup(hashes))
         return True
 
     def _advance_loads(self) -> None:
-        """Lookup done -> allocate and read; read done -> the request goes back to the queue's front
-        with whatever arrived (a miss, a dead or slow store: simply less cached)."""
-        ps = self.cfg.page_size
+        """Host copy done -> take the pages, then ask L3 for what follows. Remote lookup done -> allocate
+        and read; read done -> take the pages. Then the request goes back to the queue's front with
+        whatever arrived (a miss, a dead or slow store: simply less cached)."""
         for rid, job in list(self.loading.items()):
             if not job.fut.done():
                 continue
             n = job.fut.result() if job.fut.exception() is None else 0
-            if not job.pages and not job.aborted and n > 0 and self._reserve(n):
+            if job.tier == "remote" and not job.pages and not job.aborted and n > 0 and self._reserve(n):
                 job.pages = self.pool.alloc(n)
                 job.fut = self.tiers.remote_read(job.hashes[:n], job.pages)
                 continue
-            loaded = n if job.pages else 0
             del self.loading[rid]
             req = job.req
-            if job.pages:
-                self.tiers.settle_read(job.pages, 0 if job.aborted else loaded)
-                if not job.aborted:
-                    req.pages += job.pages[:loaded]
-                    req.num_cached = req.num_computed = req.num_computed + loaded * ps
-                    req.num_loaded += loaded * ps
+            loaded = 0 if job.aborted or not job.pages else n
+            if job.tier == "host":
+                self.pool.unref(job.pages[loaded:])
+            elif job.pages:
+                self.tiers.settle_read(job.pages, loaded)
+            req.pages += job.pages[:loaded]
+            req.num_cached = req.num_computed = req.num_computed + loaded * self.cfg.page_size
+            req.num_loaded += loaded * self.cfg.page_size
             if job.aborted:
                 self._release(req)
-            else:
+            elif not (job.tier == "host" and not (self.remote_prefill and req.num_output == 0)
+                      and self._ask_remote(req)):
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
 

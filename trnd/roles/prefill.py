@@ -75,8 +75,9 @@ class PrefillServer:
         self.peers: dict[int, Peer] = {}
         self._ids = itertools.count(1)
         self.aio: asyncio.AbstractEventLoop | None = None
-        self.stats = {"requests": 0, "xfers": 0, "bytes": 0, "failed": 0, "aborted": 0, "refused": 0,
-                      "unauthenticated": 0}
+        # post_ms: time inside NIXL's post call; xfer_ms: post to completion seen, summed over transfers
+        self.stats = {"requests": 0, "xfers": 0, "bytes": 0, "post_ms": 0.0, "xfer_ms": 0.0, "failed": 0,
+                      "aborted": 0, "refused": 0, "unauthenticated": 0}
 
     # -- control plane (asyncio) --------------------------------------------------------------------
 
@@ -192,14 +193,16 @@ class PrefillServer:
             sd, dd = descriptors(h.peer.plan, self.layout, h.peer.layout, self.agent.bases,
                                  [r.addr for r in h.peer.regions], src, dst)
             h.num_xfers += 1
+            t0 = time.monotonic()
             try:
                 handle = self.agent.write(h.peer.agent_name, sd, dd, f"{h.rid}|{h.num_xfers}".encode())
             except ConnectionError as e:
                 self._fail(req.rid, h, str(e))
                 continue
+            self.stats["post_ms"] += (time.monotonic() - t0) * 1e3
             self.engine.pool.ref(src)  # held until the transfer is done, whatever happens to the request
             nbytes = int(dd[:, 1].sum())
-            h.xfers.append((handle, src, nbytes, time.monotonic()))
+            h.xfers.append((handle, src, nbytes, t0))
             h.sent_pages = upto
 
     def _on_output(self, out: StepOutput) -> None:
@@ -229,6 +232,7 @@ class PrefillServer:
                 if state == "DONE":
                     self.stats["xfers"] += 1
                     self.stats["bytes"] += nbytes
+                    self.stats["xfer_ms"] += (time.monotonic() - t0) * 1e3
                     h.peer.bytes_sent += nbytes
                 else:
                     self._fail(local, h, "NIXL transfer failed")

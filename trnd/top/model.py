@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 HISTORY = 40  # samples per sparkline
 
-STATE_LABELS = {"waiting": "waiting", "waiting_for_kv": "waiting KV", "prefilling": "prefilling",
-                "decoding": "decoding"}
+STATE_LABELS = {"waiting": "waiting", "loading_kv": "loading KV", "waiting_for_kv": "waiting KV",
+                "prefilling": "prefilling", "decoding": "decoding"}
 
 
 @dataclass

@@ -24,7 +24,7 @@ STATUS_COLORS = {"ready": "text-success", "loading": "text-primary", "draining":
                  "degraded": "text-warning", "slow": "text-warning", "unreachable": "text-error",
                  "error": "text-error", "polling": "foreground-muted"}
 REQ_COLORS = {"decoding": "text-success", "prefilling": "text-primary", "waiting KV": "text-warning",
-              "waiting": "foreground-muted"}
+              "loading KV": "text-warning", "waiting": "foreground-muted"}
 
 
 @dataclass
