@@ -56,7 +56,7 @@ class Metrics:
         self.tier_in = Gauge("trnd:kv_tier_stored_pages_total", "Pages written down into a tier.", tl, registry=r)
         self.tier_out = Gauge("trnd:kv_tier_loaded_pages_total", "Pages loaded back from a tier.", tl, registry=r)
         self.tier_evicted = Gauge("trnd:kv_tier_evicted_pages_total", "Pages a tier dropped.", tl, registry=r)
-        self.tier_load_ms = Gauge("trnd:kv_tier_load_latency_ms_p50", "Median remote load latency.", tl,
+        self.tier_load_ms = Gauge("trnd:kv_tier_load_latency_ms_p50", "Median load latency of a tier (the latest 256 loads).", tl,
                                   registry=r)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)  # export zeros so rate() works from the first scrape
@@ -90,6 +90,8 @@ class Metrics:
             for g, k in ((self.tier_pages, "used"), (self.tier_hits, "hits"), (self.tier_misses, "misses"),
                          (self.tier_in, "stored"), (self.tier_out, "loaded"), (self.tier_evicted, "evicted")):
                 g.labels(m, "host").set(host[k])
+            if (host.get("load_ms") or {}).get("p50") is not None:
+                self.tier_load_ms.labels(m, "host").set(host["load_ms"]["p50"])
         remote = tiers and tiers.get("remote")
         if remote:
             self.tier_in.labels(m, "remote").set(remote.get("pages_written", 0))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from itertools import islice
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -38,8 +38,7 @@ class HostTier:
         self._load = ThreadPoolExecutor(1, "trnd-l2-load")
         self._save = ThreadPoolExecutor(1, "trnd-l2-save")
         self.hits = self.misses = self.stored = self.loaded = self.evicted = 0
-        self.loads = 0
-        self.load_s = 0.0  # summed copy time of finished loads
+        self._load_ms: deque[float] = deque(maxlen=256)  # the latest loads' copy times
 
     @property
     def num_used(self) -> int:
@@ -139,8 +138,7 @@ class HostTier:
                 self.pins += Counter()  # drop zero counts
         with self._lock:
             self.loaded += len(slots)
-            self.loads += 1
-            self.load_s += time.perf_counter() - t
+            self._load_ms.append((time.perf_counter() - t) * 1e3)
         return len(slots)
 
     def reset(self) -> int:
@@ -156,10 +154,12 @@ class HostTier:
 
     def stats(self) -> dict:
         with self._lock:
+            lat = sorted(self._load_ms)
             return {"slots": self.num_slots, "used": self.num_used, "free": len(self.free),
                     "page_bytes": self.page_bytes, "hits": self.hits, "misses": self.misses,
                     "stored": self.stored, "loaded": self.loaded, "evicted": self.evicted,
                     "bytes_in": self.stored * self.page_bytes, "bytes_out": self.loaded * self.page_bytes,
-                    "load_ms_mean": round(self.load_s / self.loads * 1e3, 3) if self.loads else None,
+                    "load_ms": {"n": len(lat), "p50": round(lat[len(lat) // 2], 3) if lat else None,
+                                "max": round(lat[-1], 3) if lat else None},
                     "pinned_slots": len(self.pins),
                     "saves_in_flight": len(self.writing)}
