@@ -11,3 +11,27 @@ import os
 # loads its OpenMP runtime; an operator's own settings win.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+
+
+def _keep_large_blocks() -> None:
+    """glibc serves every allocation above 128 KiB-32 MiB with a fresh mmap and returns it with munmap,
+    so each step's large temporaries (the pages a decode batch attends over: 36 MB for 32 x 1100
+    tokens of the small model) are page-faulted in again, every layer, every step. Measured: that
+    gather 18.6 ms per layer with mmap'd blocks, 4.5 ms when blocks are reused from the heap. vLLM's
+    CPU docs preload tcmalloc for the same reason; this keeps glibc and asks it to reuse (raise the
+    mmap threshold to 1 GiB and never trim below 2 GiB). TRND_MALLOC_TUNE=0 leaves glibc as it is."""
+    if os.environ.get("TRND_MALLOC_TUNE", "1") == "0" or not os.path.exists("/proc/self/maps"):
+        return
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 1 << 30)
+        libc.mallopt(m_trim_threshold, 2 << 30)
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt tunables): nothing to do
+        pass
+
+
+_keep_large_blocks()
