@@ -159,3 +159,36 @@ def test_host_slots_under_a_copy_are_neither_evicted_nor_half_visible():
     assert saving.result(5) == 1 and host.probe(keys[8:9]) == 1
     assert host.stats()["pinned_slots"] == 0 and host.num_used <= 4
     host.close()
+
+
+def test_decode_role_admission_loads_host_pages_before_asking_prefill():
+    """On a decode server (remote prefill) the prompt's pages found in L2 are copied back first; only
+    the rest is reserved for the prefill peer, which skips what decode already holds."""
+    from trnd.cache.host import HostTier
+    from trnd.cache.pages import PagePool
+    from trnd.cache.radix import RadixCache
+    from trnd.cache.tiers import Tiers
+    from trnd.engine.request import Req
+    from trnd.engine.scheduler import Scheduler, SchedulerConfig
+
+    ps = 4
+    kv = torch.zeros(16, 8)
+    pool = PagePool(16)
+    radix = RadixCache(pool, ps)
+    tiers = Tiers(radix, pool, ps, "ns", HostTier([kv], 8))
+    s = Scheduler(SchedulerConfig(page_size=ps, token_budget=64, chunk_size=64), pool, radix, remote_prefill=True)
+    s.tiers = tiers
+    prompt = list(range(100, 114))  # 14 tokens: 3 full pages of history (the last token is never matched)
+    kv[13:16] = torch.arange(3.0)[:, None] + 1  # a former request's pages, written down to L2 ...
+    tiers.host.put(tiers.hashes(prompt[:-1]), [13, 14, 15])
+    kv[13:16] = 0  # ... and since overwritten on the device
+    r = Req(prompt, GREEDY)
+    s.add(r)
+    b = s.schedule()
+    assert not b.remote and r.rid in s.loading  # parked on the copy, not sent to prefill yet
+    s.loading[r.rid].fut.result(5)
+    b = s.schedule()
+    assert b.remote == [r] and r.rid in s.transferring
+    assert r.num_cached == 12 and len(r.pages) == 4  # 3 pages loaded + 1 page for the prefill peer to write
+    assert [kv[p, 0].item() for p in r.pages[:3]] == [1.0, 2.0, 3.0]
+    tiers.close()
