@@ -105,7 +105,8 @@ class Engine:
 
             self.workers = WorkerGroup(cfg.tp, cfg.model, cfg.dtype, cfg.backend, self.pools, cfg.threads)
             tp = self.workers.tp
-        self.model, self.model_config = load_model(cfg.model, cfg.dtype, tp, cfg.backend)
+        self.model, self.model_config = load_model(cfg.model, cfg.dtype, tp, cfg.backend,
+                                                   prepack=cfg.backend == "cpu" and not cfg.static)
         self.tp = tp
         self.pool = PagePool(num_pages)
         # The static path's padding writes its KV into this page: reserved for good, never handed out.

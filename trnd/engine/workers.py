@@ -72,7 +72,7 @@ def worker_main(rank: int, size: int, port: int, model_dir: str, dtype: str | No
     if threads:
         torch.set_num_threads(threads)
     tp = init_group(rank, size, port)
-    model, cfg = load_model(model_dir, dtype, tp, backend)
+    model, cfg = load_model(model_dir, dtype, tp, backend, prepack=backend == "cpu")  # static runs tp=1 only
     runner = ModelRunner(model, cfg, kv)
     dist.barrier()
     while True:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from trnd.backends import get_backend
 from trnd.model.config import ModelConfig, ModelError
+from trnd.model.layers import prepack_linears
 from trnd.model.llama import CausalLM
 from trnd.parallel import TP1, TPGroup
 
@@ -41,7 +42,9 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
-def load_model(model_dir: str | Path, dtype: str | None = None, tp: TPGroup = TP1, backend: str = "cpu"):
+def load_model(model_dir: str | Path, dtype: str | None = None, tp: TPGroup = TP1, backend: str = "cpu",
+               prepack: bool = False):
+    """prepack: bf16 linears into oneDNN's layout (the eager CPU path; see layers._prepacked)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir, dtype)
     model = CausalLM(cfg, tp, get_backend(backend).ops)
@@ -81,4 +84,6 @@ def load_model(model_dir: str | Path, dtype: str | None = None, tp: TPGroup = TP
             param.data.copy_(value)
     finally:
         handles.clear()
+    if prepack:
+        prepack_linears(model)
     return model, cfg

@@ -1,0 +1,54 @@
+"""bf16 linears prepacked into oneDNN's layout (the eager CPU path) compute what F.linear does, and an
+engine with them generates what one without them does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trnd.engine.request import SamplingParams
+from trnd.llm import LLM
+from trnd.model.layers import Linear, Source, _can_prepack
+from trnd.parallel import TP1
+
+pytestmark = pytest.mark.skipif(not _can_prepack(torch.zeros(1, dtype=torch.bfloat16)),
+                                reason="this torch build has no oneDNN (mkldnn) linear prepacking")
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 128, 300])
+def test_prepacked_linear_equals_f_linear(tokens):
+    torch.manual_seed(0)
+    lin = Linear(768, 2048, [Source("w")], torch.bfloat16, TP1)
+    lin.weight.data.normal_()
+    w = lin.weight.detach().clone()
+    x = torch.randn(tokens, 768, dtype=torch.bfloat16)
+    assert lin.prepack() and lin.weight is None  # the plain weight is freed
+    exact = F.linear(x.double(), w.double())
+    err_packed = (lin(x).double() - exact).abs().max().item()
+    err_plain = (F.linear(x, w).double() - exact).abs().max().item()
+    # the same bf16 rounding (oneDNN blocks some batch sizes differently: results may differ by an ulp)
+    assert err_packed <= 1.01 * err_plain
+
+
+def test_fp32_weights_are_left_alone():
+    lin = Linear(8, 8, [Source("w")], torch.float32, TP1)
+    assert not lin.prepack() and lin.packed is None and lin.weight is not None
+
+
+def test_engine_with_prepacked_linears_generates_the_same_tokens(tiny_qwen3, monkeypatch):
+    import trnd.engine.engine as engine_mod
+
+    prompts = [list(range(5, 45)), list(range(300, 317))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    packed = LLM(str(tiny_qwen3), dtype="bfloat16")
+    assert packed.engine.model.lm_head.packed is not None
+    want = packed.generate(prompts, params)
+    plain_load = engine_mod.load_model
+    monkeypatch.setattr(engine_mod, "load_model", lambda *a, **kw: plain_load(*a, **{**kw, "prepack": False}))
+    plain = LLM(str(tiny_qwen3), dtype="bfloat16")
+    assert plain.engine.model.lm_head.packed is None
+    got = plain.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for a, b in zip(got, want):
+        assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-3)
