@@ -17,10 +17,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from itertools import islice
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 
 import torch
+
+from trnd.backends.omp import single_threaded
 
 
 class HostTier:
@@ -35,8 +37,9 @@ class HostTier:
         self.pins: Counter[int] = Counter()  # slot -> loads reading it
         self.writing: set[bytes] = set()  # hashes whose save is in flight (not yet in the index)
         self._lock = threading.Lock()  # index, free, pins, counters: the copy threads' callbacks touch them
-        self._load = ThreadPoolExecutor(1, "trnd-l2-load")
-        self._save = ThreadPoolExecutor(1, "trnd-l2-save")
+        # single-threaded copies: no OpenMP pools beside the engine's (backends/omp.py)
+        self._load = ThreadPoolExecutor(1, "trnd-l2-load", initializer=single_threaded)
+        self._save = ThreadPoolExecutor(1, "trnd-l2-save", initializer=single_threaded)
         self.hits = self.misses = self.stored = self.loaded = self.evicted = 0
         self._load_ms: deque[float] = deque(maxlen=256)  # the latest loads' copy times
 

@@ -51,6 +51,9 @@ class EngineLoop:
         self.stall_s = 0.0  # test hook: a step that takes this long (a hung loop, for watchdog tests)
 
     def start(self) -> "EngineLoop":
+        from trnd.backends.omp import release_threads
+
+        release_threads()  # the engine thread's OpenMP team is the only one (backends/omp.py)
         self._thread.start()
         return self
 

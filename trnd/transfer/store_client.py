@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trnd.backends.omp import single_threaded
 from trnd.cache.store_index import HAVE
 from trnd.transfer import store_protocol as S
 from trnd.transfer.nixl import KVAgent
@@ -199,6 +200,9 @@ class StoreClient:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
+        # checksum threads gather pages with torch: single-threaded, no OpenMP pools beside the engine's
+        self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
+            CHECKSUM_THREADS, "trnd-store-checksum", initializer=single_threaded))
         for s in self.stores:
             self.loop.create_task(self._store_task(s))
         self.loop.call_soon(self._started.set)

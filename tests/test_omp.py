@@ -1,0 +1,48 @@
+"""The engine thread's OpenMP team is the only one: the main thread hands its pool back before the
+engine thread starts, and page-copy threads stay single-threaded (trnd/backends/omp.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import os, threading
+import torch
+import trnd
+from trnd.backends.omp import _libgomp, release_threads, single_threaded
+
+if _libgomp() is None:
+    print("no-libgomp"); raise SystemExit
+tasks = lambda: len(os.listdir("/proc/self/task"))
+x = torch.randn(512, 512)
+before = tasks()
+x @ x  # a parallel region on the main thread: its pool of workers appears
+with_pool = tasks()
+release_threads()
+released = tasks()
+
+def helper():
+    single_threaded()
+    x @ x
+    out.append(tasks())
+
+out = []
+t = threading.Thread(target=helper); t.start(); t.join()
+print(before, with_pool, released, out[0] - 1)  # minus the helper thread itself
+"""
+
+
+def test_main_pool_released_and_helpers_single_threaded():
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "no-libgomp":
+        import pytest
+
+        pytest.skip("torch here does not use libgomp")
+    before, with_pool, released, helper = map(int, out.stdout.split())
+    assert with_pool > before  # the main thread's workers
+    assert released < with_pool  # handed back
+    assert helper <= released  # the helper ran its matmul without workers of its own
