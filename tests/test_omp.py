@@ -35,7 +35,8 @@ print(before, with_pool, released, out[0] - 1)  # minus the helper thread itself
 
 
 def test_main_pool_released_and_helpers_single_threaded():
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # spinning workers: the default
+    env["OMP_NUM_THREADS"] = "2"
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     if out.stdout.strip() == "no-libgomp":

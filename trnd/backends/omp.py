@@ -6,8 +6,9 @@ between regions (its throttled spin count), and every torch op pays a futex wake
 cores, a bf16 768x2048 linear at batch 1 took 47 us from the thread that owned the only pool and
 150 us from the engine thread while the main thread (which loaded the model and warmed it up) still
 held its pool: a 17 -> 26 ms decode step. So the main thread hands its pool back before the engine
-thread starts (`release_threads`), and helper threads that copy pages stay single-threaded
-(`single_threaded`) instead of growing pools of their own.
+thread starts (`release_threads`, where workers spin: the default; a local prefill + decode pair
+runs OMP_WAIT_POLICY=PASSIVE, where nothing spins), and helper threads that copy pages stay
+single-threaded (`single_threaded`) instead of growing pools of their own.
 """
 
 from __future__ import annotations
