@@ -68,6 +68,17 @@ def argv_source(role: str, cls: type, argv: list[str] | None = None) -> Callable
     return lambda: load_config(cls, args.config, flags)
 
 
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a child (a TP rank, or a role before exec): `sig` when its parent dies, even by SIGKILL, so no
+    orphan keeps a node's memory or cores (PR_SET_PDEATHSIG; Linux only, nothing elsewhere)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def warm_up(engine, max_tokens: int = 2) -> float:
     """One tiny greedy generation on the engine before its loop thread starts: the first forward pays
     for allocator growth, kernel selection and (on accelerators) compilation, which READY must not

@@ -141,7 +141,7 @@ class Scheduler:
                 batch.decode.append(req)
         while self.waiting and budget > 0 and self.num_active < self.cfg.max_batch:
             req = self.waiting[0]
-            if self.remote_prefill and req.num_output == 0:
+            if self._kv_from_peer(req):
                 admitted = self._admit(req, req.num_prompt, whole=True)  # all prompt pages, reserved up front
                 if admitted is None:  # parked on a host-tier copy
                     self.waiting.popleft()
@@ -258,10 +258,15 @@ class Scheduler:
             req.num_loaded += loaded * self.cfg.page_size
             if job.aborted:
                 self._release(req)
-            elif not (job.tier == "host" and not (self.remote_prefill and req.num_output == 0)
-                      and self._ask_remote(req)):
-                req.status = Status.WAITING
-                self.waiting.appendleft(req)
+                continue
+            if job.tier == "host" and not self._kv_from_peer(req) and self._ask_remote(req):
+                continue  # parked again, now on L3 for the pages after these
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
+
+    def _kv_from_peer(self, req: Req) -> bool:
+        """Disaggregated decode: a new request's prompt KV comes from a prefill server, not from here."""
+        return self.remote_prefill and req.num_output == 0
 
     def preempt(self, req: Req) -> None:
         """Recompute later: release the KV (to the cache, where it may still be found) and requeue first."""

@@ -9,7 +9,6 @@ ranks: a rank that dies takes the role down at once with one clear log line (sys
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -23,6 +22,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from trnd.daemon.lifecycle import die_with_parent
 from trnd.engine.runner import ModelRunner, StepInputs
 from trnd.parallel import TPGroup
 
@@ -55,17 +55,9 @@ def broadcast_bytes(data: bytes | None) -> bytes:
     return buf.numpy().tobytes()
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def worker_main(rank: int, size: int, port: int, model_dir: str, dtype: str | None, backend: str,
                 kv: torch.Tensor, threads: int | None) -> None:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the role process decides when ranks stop
     from trnd.model.loader import load_model
 

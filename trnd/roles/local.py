@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 
 from trnd.config import ServeConfig
+from trnd.daemon.lifecycle import die_with_parent
 
 log = logging.getLogger("trnd.local")
 EX_CONFIG = 78
@@ -65,16 +66,6 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> tuple[Path, Pat
     return prefill, decode, control, admin
 
 
-def _die_with_supervisor() -> None:
-    """In the child before exec: SIGTERM when the supervisor dies, even by SIGKILL (no orphans)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _ok(port: int, path: str) -> bool:
     import httpx
 
@@ -96,7 +87,8 @@ def run(cfg: ServeConfig, model: str) -> int:
         pre_cfg, dec_cfg, control, admin = role_configs(cfg, model, Path(tmp))
         cmd = [sys.executable, "-m", "trnd"]
         def start(role: str, cfg_path: Path) -> subprocess.Popen:
-            return subprocess.Popen([*cmd, role, "--config", str(cfg_path)], env=env, preexec_fn=_die_with_supervisor)
+            return subprocess.Popen([*cmd, role, "--config", str(cfg_path)], env=env,
+                                    preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
         procs = {"prefill": start("prefill", pre_cfg), "decode": start("decode", dec_cfg)}
         notify.status("starting prefill and decode")
