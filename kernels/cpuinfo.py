@@ -1,0 +1,103 @@
+"""What the running CPU can do, probed once: every CPU fast path is chosen from this, never assumed.
+
+The CPU class changes from host to host (AVX-512 with bf16 on one, AVX2 + FMA only on the next), so a
+path is taken only when the running CPU supports it, and each has a fallback that works everywhere.
+`TRND_CPU_ISA` caps the level for testing the fallbacks on any host: `avx2` behaves as an AVX2 + FMA
+CPU (no AVX-512, no native bf16), `default` as one with neither.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+
+# Flags that decide a path; everything else in /proc/cpuinfo is noise for us.
+RELEVANT = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_bf16",
+            "avx_ne_convert")
+LEVELS = ("default", "avx2", "avx512", "avx512_bf16")  # lowest first
+ISA_ENV = "TRND_CPU_ISA"
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    flags: frozenset[str]  # the RELEVANT flags the CPU has (after any TRND_CPU_ISA cap)
+    isa: str  # one of LEVELS: the highest the CPU supports (after the cap)
+    capped: bool  # TRND_CPU_ISA lowered it
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 dot products in hardware (AVX-512 BF16 or AMX): bf16 compute is fast, not emulated."""
+        return self.isa == "avx512_bf16"
+
+    def summary(self) -> str:
+        shown = " ".join(f for f in RELEVANT if f in self.flags) or "none"
+        cap = f" (capped by {ISA_ENV}={self.isa})" if self.capped else ""
+        return f"{self.model}; flags: {shown}; isa {self.isa}{cap}"
+
+
+def _read_cpuinfo() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def _level(flags: set[str]) -> str:
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx512_bf16" if flags & {"avx512_bf16", "amx_bf16"} else "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return "default"
+
+
+def _cap(flags: set[str], level: str) -> set[str]:
+    """The flags a CPU of `level` would have: the cap removes what that class lacks."""
+    if level in ("avx512", "avx512_bf16"):
+        return flags if level == "avx512_bf16" else flags - {"avx512_bf16", "amx_bf16", "avx_ne_convert"}
+    out = {f for f in flags if not f.startswith(("avx512", "amx")) and f != "avx_ne_convert"}
+    return out if level == "avx2" else out - {"avx2", "fma"}
+
+
+@lru_cache(maxsize=1)
+def cpu_info() -> CpuInfo:
+    model, flags = _read_cpuinfo()
+    level = _level(flags)
+    want = os.environ.get(ISA_ENV, "").strip().lower()
+    capped = False
+    if want:
+        if want not in LEVELS:
+            raise ValueError(f"{ISA_ENV}={want!r}: not one of {', '.join(LEVELS)}")
+        if LEVELS.index(want) < LEVELS.index(level):
+            flags, level, capped = _cap(flags, want), want, True
+    return CpuInfo(model=model, flags=frozenset(f for f in RELEVANT if f in flags), isa=level, capped=capped)
+
+
+@lru_cache(maxsize=1)
+def onednn_bf16_prepack() -> bool:
+    """oneDNN's bf16 weight reorder runs here: tried once on a tiny weight, since torch's message
+    ("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq") is the only
+    authority on what it needs. False under a TRND_CPU_ISA cap below avx512."""
+    import torch
+
+    if cpu_info().isa in ("default", "avx2") or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=torch.bfloat16), w, None, "none", [], "")
+        return bool(y.shape == (1, 16))
+    except RuntimeError:
+        return False
