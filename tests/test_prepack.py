@@ -7,13 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpuinfo import cpu_info
 from trnd.engine.request import SamplingParams
 from trnd.llm import LLM
 from trnd.model.layers import Linear, Source, _can_prepack
 from trnd.parallel import TP1
 
 pytestmark = pytest.mark.skipif(not _can_prepack(torch.zeros(1, dtype=torch.bfloat16)),
-                                reason="this torch build has no oneDNN (mkldnn) linear prepacking")
+                                reason=f"no oneDNN bf16 reorder on this CPU ({cpu_info().summary()}); the "
+                                       "fallback is tested in test_cpu_portability.py")
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 128, 300])

@@ -35,3 +35,20 @@ def _keep_large_blocks() -> None:
 
 
 _keep_large_blocks()
+
+
+def _cap_cpu_isa() -> None:
+    """TRND_CPU_ISA=avx2 (or default) makes this process behave as a CPU of that class, torch included:
+    oneDNN and ATen's vectorized kernels are capped too (set before torch loads), so the fallbacks that
+    an AVX2-only host takes (no bf16 prepack, fp32 compute) run, and fail, as they would there. How CI
+    tests the older CPU class on an AVX-512 machine. An operator's own ONEDNN_/ATEN_ settings win."""
+    level = os.environ.get("TRND_CPU_ISA", "").strip().lower()
+    if level == "avx2":
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    elif level == "default":
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "SSE41")
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
+
+
+_cap_cpu_isa()

@@ -6,6 +6,21 @@ import argparse
 import sys
 
 EX_CONFIG = 78  # sysexits.h: a bad configuration; systemd units do not restart on it
+EX_UNAVAILABLE = 69  # sysexits.h: the backend cannot run on this host (as `trnd check` exits)
+
+
+def _check_backend(name: str) -> None:
+    """Refuse a backend this host cannot run before loading anything (or starting a role's children)."""
+    from trnd.backends import get_backend
+
+    get_backend(name)
+
+
+def _compute_flags(p) -> None:
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="weights, compute and KV dtype (default auto: the checkpoint's, or float32 on a CPU "
+                        "without native bf16)")
+    p.add_argument("--backend", choices=["cpu", "cuda", "neuron"], help="where the model runs (default cpu)")
 
 
 def _serve_parser(sub) -> None:
@@ -18,8 +33,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, help="TCP port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help="weights and KV dtype "
-                                                                                "(default: the checkpoint's)")
+    _compute_flags(p)
     p.add_argument("--aggregated", action="store_const", const=True,
                    help="one process (API + engine); default: a local prefill + decode deployment")
     p.add_argument("--point", help="decode point of the local deployment (configs/points.toml; default 8k)")
@@ -45,7 +59,7 @@ def _role_flags(p) -> None:
     p.add_argument("--model", metavar="DIR", help="Hugging Face model directory or preset name (tiny, small)")
     p.add_argument("--point", help="named decode point (configs/points.toml): both roles must use the same one")
     p.add_argument("--tp", type=int, help="tensor-parallel degree of this role")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"])
+    _compute_flags(p)
     p.add_argument("--kv-memory-gb", type=float, help="memory for this role's KV page pool (per rank)")
     p.add_argument("--threads", type=int, help="torch intra-op threads per rank")
     p.add_argument("--secret-file", help="file holding the control-plane shared secret")
@@ -142,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "disaggregated prefill/decode)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("top", help="live operator console for a deployment (trnd top --help)", add_help=False)
-    sub.add_parser("check", help="device check on an accelerator host: kernels vs torch twins, generation vs CPU "
-                                 "(trnd check --help)", add_help=False)
+    sub.add_parser("check", help="trnd check cpu: the CPU, its flags and the paths chosen; trnd check neuron|cuda: "
+                                 "kernels vs torch twins, generation vs CPU (trnd check --help)", add_help=False)
     _serve_parser(sub)
     _disagg_parsers(sub)
     _store_parser(sub)
@@ -163,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return top_main(argv[1:])
     args = build_parser().parse_args(argv)
+    from trnd.backends import BackendUnavailable
     from trnd.config import ConfigError, StartupError
 
     try:
@@ -173,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
             flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
             cfg = load_config(ServeConfig, args.config, flags)
+            _check_backend(cfg.backend)
             setup_logging(cfg.log_level)
             return serve.run(cfg)
         if args.cmd in ("prefill", "decode"):
@@ -182,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
             flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
             cfg = load_config(PrefillConfig if args.cmd == "prefill" else DecodeConfig, args.config, flags)
+            _check_backend(cfg.backend)
             try:
                 cfg.resolved_secret()
             except (OSError, ValueError) as e:
@@ -208,4 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as e:
         print(f"trnd: cannot start: {e}", file=sys.stderr)
         return EX_CONFIG
+    except BackendUnavailable as e:
+        print(f"trnd: {e}", file=sys.stderr)
+        return EX_UNAVAILABLE
     return 2

@@ -33,7 +33,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: Port = 8000
     api_key: str | None = None  # None: open; else required on /v1/* and /admin/*
     api_key_file: str | None = None  # e.g. $CREDENTIALS_DIRECTORY/api_key under systemd
-    dtype: str | None = None
+    dtype: str = "auto"  # auto: the checkpoint's, or float32 on a CPU without native bf16 (backends/cpu.py)
     backend: str = "cpu"
     tp: Annotated[int, Meta(ge=1, le=64)] = 1  # tensor-parallel ranks (processes)
     page_size: PageSize = 16
@@ -51,6 +51,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     threads: Positive | None = None
     log_level: str = "info"
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+    # An OpenAI request that arrives before the server can serve it (starting, or a decode server with no
+    # prefill peer) is held this long, then answered 503 with Retry-After.
+    ready_hold_s: Annotated[float, Meta(ge=0)] = 30.0
     host_cache_gb: Annotated[float, Meta(ge=0)] = 0.0  # L2: evicted prefix pages kept in host DRAM; 0 = off
     host_policy: str = "write-back"  # write-back (on eviction) or write-through (on finish)
     node_host_memory_gb: Annotated[float, Meta(gt=0)] | None = None  # budget shared by all trnd processes
@@ -80,7 +83,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 def _check_common(cfg) -> None:
     """Choices msgspec's type system does not express, named like msgspec names its errors."""
-    choices = {"log_level": ("debug", "info", "warning", "error"), "dtype": (None, "bfloat16", "float32", "float16"),
+    choices = {"log_level": ("debug", "info", "warning", "error"), "dtype": ("auto", "bfloat16", "float32", "float16"),
                "host_policy": ("write-back", "write-through"), "backend": ("cpu", "cuda", "neuron")}
     for field, allowed in choices.items():
         value = getattr(cfg, field, None)
@@ -115,7 +118,7 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     and prefill chunk: both roles must name the same one."""
     model: str | None = None
     point: str = "8k"
-    dtype: str | None = None
+    dtype: str = "auto"  # auto: the checkpoint's, or float32 on a CPU without native bf16 (backends/cpu.py)
     backend: str = "cpu"
     tp: Annotated[int, Meta(ge=1, le=64)] = 1
     kv_memory_gb: Annotated[float, Meta(gt=0)] = 1.0

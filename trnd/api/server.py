@@ -47,6 +47,7 @@ HEALTH_STALL_S = 30.0  # /health fails when the engine loop has not come round f
 LOOP_TIMEOUT_S = 5.0  # how long admin calls wait for the engine loop
 MIN_LOGPROB = -9999.0  # JSON has no -inf (a banned token's logprob); vLLM reports this instead
 INLINE_TOKENIZE_CHARS = 16384  # longer texts are tokenized on a worker thread, off the event loop
+READY_HOLD_S = 30.0  # an OpenAI request that arrives before the server can serve it waits this long, then 503
 
 
 @dataclass
@@ -60,6 +61,8 @@ class AppState:
     draining: bool = False
     ready: bool = True
     ready_fn: Callable[[], bool] | None = None  # a role's own readiness (decode: a prefill peer handshaked)
+    not_ready_why: Callable[[], str] | None = None  # what it waits for, for the 503's message
+    ready_hold_s: float = READY_HOLD_S
     health_stall_s: float = HEALTH_STALL_S
     started: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)
@@ -69,6 +72,27 @@ class AppState:
     @property
     def tokenizer(self):
         return self.loop.engine.tokenizer
+
+    @property
+    def serving(self) -> bool:
+        """A request sent now is served: warmed up, and the role's own readiness holds."""
+        return self.ready and self.loop.error is None and (self.ready_fn is None or self.ready_fn())
+
+    async def wait_serving(self) -> None:
+        """Ready means ready: the OpenAI routes (/v1/models too, which clients poll to learn that the
+        server is up) hold a request until the server can serve it, for at most ready_hold_s, then
+        answer 503 with Retry-After. Covers start-up (warm-up, the decode role's first prefill peer)
+        and a decode server whose every prefill peer is lost while the supervisor restarts one."""
+        deadline = time.monotonic() + self.ready_hold_s
+        while not self.serving:
+            if self.draining:
+                raise APIError(503, "The server is draining and accepts no new requests", code="draining",
+                               headers={"Retry-After": "1"})
+            if time.monotonic() >= deadline:
+                why = self.not_ready_why() if self.not_ready_why is not None else "starting"
+                raise APIError(503, f"The server is not ready to serve yet ({why}); retry later",
+                               code="not_ready", headers={"Retry-After": "2"})
+            await asyncio.sleep(0.05)
 
     def token(self, tid: int) -> tuple[str, list[int]]:
         """(text, UTF-8 bytes) of one token for logprobs, cached: the vocabulary is fixed."""
@@ -137,7 +161,7 @@ def _app(routes, loop, cfg, model_name, state_extra) -> Starlette:
                     middleware=[Middleware(APIKeyMiddleware, api_key=cfg.resolved_api_key())],
                     exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                                         Exception: internal_error_handler})
-    app.state.trnd = AppState(loop, cfg, model_name, Metrics(model_name), state_extra)
+    app.state.trnd = AppState(loop, cfg, model_name, Metrics(model_name), state_extra, ready_hold_s=cfg.ready_hold_s)
     return app
 
 
@@ -177,6 +201,7 @@ async def _decode(request: Request, st: AppState, typ: type):
         raise APIError(503, "The server is draining and accepts no new requests", code="draining",
                        headers={"Retry-After": "1"})
     body = await read_body(request, st.cfg.max_body_bytes)
+    await st.wait_serving()
     try:
         req = msgspec.json.decode(body, type=typ)
     except msgspec.DecodeError as e:
@@ -495,6 +520,7 @@ class EventStream:
 
 async def models(request: Request) -> Response:
     st = _state(request)
+    await st.wait_serving()
     card = P.ModelCard(st.model_name, "model", int(st.started), "trnd", st.loop.engine.max_model_len)
     return _json(P.ModelList("list", [card]))
 
@@ -517,7 +543,7 @@ async def ready(request: Request) -> Response:
         return _json({"status": "error"}, 503)
     if st.draining:
         return _json({"status": "draining"}, 503)
-    if not st.ready or (st.ready_fn is not None and not st.ready_fn()):
+    if not st.serving:
         return _json({"status": "loading"}, 503)
     return _json({"status": "ready"})
 

@@ -27,9 +27,21 @@ class Backend:
     def available(self) -> tuple[bool, str]:
         return True, ""
 
+    def pick_dtype(self, requested: str | None) -> tuple[str | None, str]:
+        """(dtype to load, compute and keep KV in; None = the checkpoint's own, why). Accelerators
+        compute bf16 natively, so `auto` keeps the checkpoint's dtype."""
+        if requested not in (None, "auto"):
+            return requested, "requested"
+        return None, "auto: the checkpoint's dtype"
+
     @cached_property
     def ops(self) -> Ops:
         return TORCH_OPS
+
+
+def resolve_dtype(requested: str | None, backend: str = "cpu") -> tuple[str | None, str]:
+    """`dtype = "auto"` (or unset) made concrete for this host: see Backend.pick_dtype."""
+    return get_backend(backend).pick_dtype(requested)
 
 
 def get_backend(name: str) -> Backend:

@@ -175,13 +175,19 @@ def compare_generation(backend: Backend, model_dir: str, tokens: int = 16, dtype
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="trnd check", description="Check a device backend against the CPU: "
                                 "its kernels against their torch twins, then a short greedy generation.")
-    p.add_argument("backend", choices=[n for n in NAMES if n != "cpu"])
+    p.add_argument("backend", choices=list(NAMES), help="cpu: print the CPU, its flags and the paths chosen")
     p.add_argument("--model", metavar="DIR", help="model directory (default: a tiny random model made in a "
                                                   "temporary directory)")
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="model dtype (default: the checkpoint's)")
+    if argv[:1] == ["cpu"]:  # the CPU at hand: flags and the paths chosen (nothing to compare against)
+        from trnd.backends.cpu import report
+
+        print("\n".join(report()))
+        return 0
     args = p.parse_args(argv)
     try:
         backend = get_backend(args.backend)

@@ -1,8 +1,59 @@
-"""The default backend: the torch twins in kernels/ on the CPU. Always available; what CI runs."""
+"""The default backend: the torch twins in kernels/ on the CPU. Always available; what CI runs.
 
+Every CPU fast path is chosen from what the running CPU supports (kernels/cpuinfo.py), never from
+what the build machine had: bf16 compute only where the CPU has bf16 dot products in hardware, oneDNN
+prepacking only where its bf16 reorder runs.
+"""
+
+from kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack
 from trnd.backends import Backend
 
 
 class CPUBackend(Backend):
     name = "cpu"
     device = "cpu"
+
+    def pick_dtype(self, requested: str | None) -> tuple[str | None, str]:
+        """`auto` keeps a bf16 checkpoint in bf16 where the CPU computes bf16 natively (AVX-512 BF16 or
+        AMX) and loads it as float32 elsewhere: on an AVX2 + FMA CPU bf16 matmuls are emulated, measured
+        4-8x slower than float32 (docs/RESULTS.md, "Compute dtype by CPU class")."""
+        if requested not in (None, "auto"):
+            return requested, "requested"
+        if cpu_info().native_bf16:
+            return None, "auto: the checkpoint's dtype (this CPU has native bf16)"
+        return "float32", "auto: float32 (this CPU has no native bf16 dot products; bf16 would be emulated)"
+
+
+def cpu_paths(dtype: str, why: str) -> dict[str, str]:
+    """The CPU fast paths this process takes, for the start-up log line, `trnd check cpu` and bench tables."""
+    info = cpu_info()
+    prepack = ("oneDNN bf16 prepacked" if onednn_bf16_prepack() else "F.linear (no oneDNN bf16 reorder on this CPU)") \
+        if dtype == "bfloat16" else f"F.linear ({dtype})"
+    return {"cpu": info.model, "flags": " ".join(f for f in RELEVANT if f in info.flags) or "none", "isa": info.isa,
+            "dtype": f"{dtype} ({why})", "linears": prepack}
+
+
+def describe(dtype: str, why: str) -> str:
+    """One line: the CPU, its relevant flags and the paths chosen."""
+    p = cpu_paths(dtype, why)
+    return f"cpu: {cpu_info().summary()}; dtype {p['dtype']}; linears {p['linears']}"
+
+
+def report() -> list[str]:
+    """`trnd check cpu`: what this CPU is and which path each choice takes here (nothing is run but the
+    probes). Figures from two CPU classes are not comparable: benches print this beside theirs."""
+    import torch
+
+    info = cpu_info()
+    dtype, why = CPUBackend().pick_dtype("auto")
+    paths = cpu_paths("bfloat16" if dtype is None else dtype, why)
+    bf16 = cpu_paths("bfloat16", "requested")
+    return [
+        f"cpu:          {info.model}",
+        f"flags:        {paths['flags']}",
+        f"isa level:    {info.isa}" + (" (capped by TRND_CPU_ISA)" if info.capped else ""),
+        f"torch:        {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"{torch.get_num_threads()} threads",
+        f"dtype:        {why}",
+        f"bf16 linears: {bf16['linears']}",
+    ]

@@ -4,6 +4,7 @@ drive it from one loop thread, the offline LLM calls step() directly, so both ru
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,8 @@ from trnd.cache.radix import RadixCache, check_pool_integrity
 from trnd.cache.tiers import Tiers
 from trnd.engine.output import OutputStream, StepOutput
 from trnd.engine.request import Req, SamplingParams, Status
-from trnd.backends import get_backend
+from trnd.backends import get_backend, resolve_dtype
+from trnd.backends.cpu import cpu_paths, describe
 from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes, prepare
 from trnd.engine.sampler import SampleOut, Sampler
 from trnd.engine.scheduler import Batch, Scheduler, SchedulerConfig
@@ -27,11 +29,13 @@ from trnd.model.loader import load_model
 from trnd.model.tokenizer import Tokenizer
 from trnd.parallel import TPGroup
 
+log = logging.getLogger("trnd.engine")
+
 
 @dataclass
 class EngineConfig:
     model: str
-    dtype: str | None = None  # None: the checkpoint's own
+    dtype: str | None = None  # None or "auto": the backend picks (trnd/backends: pick_dtype)
     backend: str = "cpu"
     page_size: int = 16
     num_pages: int | None = None  # None: derived from kv_memory_gb
@@ -83,7 +87,8 @@ class LengthError(ValueError):
 
 class Engine:
     def __init__(self, cfg: EngineConfig):
-        self.cfg = cfg
+        dtype, why = resolve_dtype(cfg.dtype, cfg.backend)
+        cfg = self.cfg = dataclasses.replace(cfg, dtype=dtype)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         mc = ModelConfig.from_dir(cfg.model, cfg.dtype)
@@ -140,6 +145,10 @@ class Engine:
         self.streams: dict[str, OutputStream] = {}
         self.stats = EngineStats()
         self.idle_step = False  # the last step had nothing to compute (work parked on transfers)
+        loaded = str(self.model_config.dtype).removeprefix("torch.")
+        self.cpu_paths = cpu_paths(loaded, why) if cfg.backend == "cpu" else {}
+        if cfg.backend == "cpu":
+            log.info(describe(loaded, why))
 
     @property
     def namespace(self) -> str:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpuinfo import onednn_bf16_prepack
 from trnd.parallel import TPGroup
 
 
@@ -25,8 +26,9 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 def _can_prepack(w: torch.Tensor) -> bool:
-    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Capability, not presence: oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, so
+    on an AVX2-only CPU the plain F.linear path is taken (kernels/cpuinfo.py probes it once)."""
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and onednn_bf16_prepack()
 
 
 def _prepacked(w: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from trnd.backends import resolve_dtype
 from trnd.config import StartupError
 from trnd.engine.engine import Engine, EngineConfig
 from trnd.model.config import ModelConfig, fingerprint
@@ -21,7 +22,8 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None, remot
     page size, max context, max batch and prefill chunk come from the point, the pool from the
     memory budget; refuses to start if one max-context sequence cannot fit."""
     point = get_point(cfg.point)
-    mc = ModelConfig.from_dir(model_dir, cfg.dtype)
+    dtype, _ = resolve_dtype(cfg.dtype, cfg.backend)  # the pool's page bytes follow the computed dtype
+    mc = ModelConfig.from_dir(model_dir, dtype)
     from trnd.engine.runner import kv_page_bytes
     from trnd.parallel import TPGroup
 

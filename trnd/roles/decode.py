@@ -349,6 +349,8 @@ def run(cfg: DecodeConfig) -> int:
             return "no prefill peer yet: " + "; ".join(f"{p.addr}: {p.refused or p.error or 'connecting'}"
                                                        for p in server.peers)
 
+        st.not_ready_why = waiting
+
         async def main() -> int:
             await server.start()
             return await life.serve(
