@@ -153,11 +153,13 @@ def test_tp_layouts_hand_off_correctly(tiny_qwen3, secret, ptp, dtp):
         d.close()
 
 
-def test_mismatched_points_are_refused_with_the_field(tiny_qwen3, secret):
+def test_mismatched_points_are_refused_with_the_field(tiny_qwen3, secret, tmp_path):
     cp, ap, port = free_port(), free_port(), free_port()
+    cfg = tmp_path / "decode.toml"
+    cfg.write_text("ready_hold_s = 1.0\n")  # a request is held this long for a peer, then 503 with the reason
     pre = start_role("prefill", tiny_qwen3, secret, "--point", "8k", control_port=cp, admin_port=ap)
-    dec = start_role("decode", tiny_qwen3, secret, "--point", "128k", "--kv-memory-gb", "0.1", "--prefill",
-                     f"127.0.0.1:{cp}", "--served-model-name", "m", port=port)
+    dec = start_role("decode", tiny_qwen3, secret, "--config", str(cfg), "--point", "128k", "--kv-memory-gb", "0.1",
+                     "--prefill", f"127.0.0.1:{cp}", "--served-model-name", "m", port=port)
     try:
         wait_ready(ap, pre)
         wait_ready(port, dec, path="/health")
@@ -165,8 +167,10 @@ def test_mismatched_points_are_refused_with_the_field(tiny_qwen3, secret):
         refused = admin_state(port)["peers"][0]["refused"]
         assert "point" in refused and "'8k'" in refused and "'128k'" in refused
         assert httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 503
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2},
+                       timeout=30)
         assert r.status_code == 503 and "point" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "not_ready"
     finally:
         out = stop(dec) + stop(pre)
     assert "refused" in out and "point" in out

@@ -101,7 +101,7 @@ def test_unit_contract():
     assert u["Type"] == ["notify"] and u["NotifyAccess"] == ["main"]
     assert u["ExecStart"] == ["/usr/bin/trnd %i --config /etc/trnd/%i.toml"]
     assert u["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
-    assert u["Restart"] == ["on-failure"] and u["RestartPreventExitStatus"] == ["78"]
+    assert u["Restart"] == ["on-failure"] and u["RestartPreventExitStatus"] == ["69 78"]
     assert u["KillMode"] == ["mixed"]
     # The drain must fit in the stop timeout with room to abort and close the ranks.
     assert seconds(u["TimeoutStopSec"][0]) >= ServeConfig().drain_timeout_s + lifecycle.STOP_MARGIN_S

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+from trnd.bench import cpu_line
 
 SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -174,6 +175,7 @@ def main(args) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     print(f"trnd bench disagg: model {model}, point {args.point}, prompts {lengths}, {os.cpu_count()} cores",
           flush=True)
+    print(cpu_line(), flush=True)
     print("\n1. NIXL WRITE (UCX, two processes) vs memcpy, one transfer of 64 KiB descriptors per batch")
     print(f"{'batch':>10}{'NIXL GB/s':>12}{'memcpy GB/s':>13}{'NIXL/memcpy':>13}")
     rows = nixl_throughput(SIZES)

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import resource
 import time
+from trnd.bench import cpu_line
 
 DECODE_PROMPT = 64
 
@@ -148,6 +149,7 @@ def main(args) -> int:
     a = (model, args.dtype, args.prompt_len, args.new_tokens, batches)
     print(f"trnd bench engine: model {model}, dtype {args.dtype}, prefill {args.prompt_len} tokens, "
           f"decode {args.new_tokens} tokens at batch {batches}", flush=True)
+    print(cpu_line(), flush=True)
     if args.tp > 1:  # TP=1 vs TP=N, both trnd
         ours, theirs = run_side(f"trnd-tp{args.tp}", a), run_side("trnd", a)
         print(f"comparing trnd TP={args.tp} (first column) with trnd TP=1 (second column)")

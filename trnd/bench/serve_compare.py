@@ -444,7 +444,10 @@ def machine_facts() -> dict:
     flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith("MemTotal")), 0)
+    from kernels.cpuinfo import cpu_info
+
     return {"nproc": os.cpu_count(), "cpu": cpu, "avx512_bf16": "avx512_bf16" in flags.split(),
+            "cpu_summary": cpu_info().summary(),
             "mem_gib": round(mem / 2**20, 1), "kernel": platform.release(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
@@ -569,8 +572,7 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          "between runs); compare the sides of one run, not across runs. The load generator runs on the same cores "
          "as the server it measures (for every server alike).",
          "",
-         f"- Machine: {facts['nproc']} cores ({facts['cpu']}, AVX-512 BF16: "
-         f"{'yes' if facts['avx512_bf16'] else 'no'}), "
+         f"- Machine: {facts['nproc']} cores ({facts.get('cpu_summary') or facts['cpu']}), "
          f"{facts['mem_gib']} GiB RAM, Linux {facts['kernel']}; mean 1-minute load average while each server "
          "was up (it counts the server's and the load generator's own threads too, so 2-3 is this benchmark "
          "alone and more means other engineers' work competed): "
@@ -733,7 +735,7 @@ def main(args) -> int:
     info = {"model": model, "peer": peer_versions(peer_py), "torch": torch.__version__, "load": {}, "ready_s": {},
             "errors": [], "notes": [], "rounds": args.rounds}
     print(f"trnd bench serve-compare: {model}; servers {keys}; concurrency {concs}; {args.rounds} round(s); "
-          f"{ctx.threads} threads; results, logs and profiles in {out}\n  {facts['nproc']} cores, {facts['cpu']}; "
+          f"{ctx.threads} threads; results, logs and profiles in {out}\n  {facts['nproc']} cores, {facts['cpu_summary']}; "
           f"{info['peer']}", flush=True)
     runs: dict[str, dict[int, list[dict]]] = {}
     profiles: dict[str, dict] = {}

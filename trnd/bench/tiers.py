@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from trnd.bench.disagg import _free_port, _stop, _wait
+from trnd.bench import cpu_line
 
 
 def start(kind: str, model: str, args, tmp: Path) -> tuple[list, int, dict]:
@@ -142,6 +143,7 @@ def main(args) -> int:
           f"({args.concurrency} at a time), first prompt {args.first + args.growth}, +{args.growth + args.gen} "
           f"tokens a turn ({args.gen} generated); final prompt {final} tokens; working set "
           f"{args.sessions * final} tokens; device pool {args.kv_memory_gb} GiB per role", flush=True)
+    print(cpu_line(), flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in kinds:
