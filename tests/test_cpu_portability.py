@@ -193,3 +193,39 @@ def test_decode_without_a_prefill_peer_holds_then_503(tiny_qwen3, tmp_path):
         assert held >= 2.5  # it waited ready_hold_s for a peer instead of failing at once
     finally:
         stop(proc, timeout=30)
+
+
+def _role(role: str, model, secret, env: dict, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trnd", role, "--model", str(model), "--secret-file", str(secret),
+                             "--threads", "1", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+
+
+@pytest.mark.slow
+def test_mixed_cpu_classes_agree_on_a_set_dtype_or_are_refused_naming_it(tiny_bf16, tmp_path):
+    """A prefill on the AVX2 class and a decode on this host's class: with one dtype set on both they
+    handshake and serve; with different dtypes the handshake names `dtype` and both values."""
+    from tests.procs import admin_state, wait_for, wait_ready
+
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    native = {k: v for k, v in os.environ.items() if k != cpuinfo.ISA_ENV}
+    for pre_dtype, dec_dtype in (("float32", "bfloat16"), ("float32", "float32")):
+        cp, ap, port = free_port(), free_port(), free_port()
+        pre = _role("prefill", tiny_bf16, secret, AVX2, "--dtype", pre_dtype, "--control-port", str(cp),
+                    "--admin-port", str(ap))
+        dec = _role("decode", tiny_bf16, secret, native, "--dtype", dec_dtype, "--port", str(port), "--prefill",
+                    f"127.0.0.1:{cp}", "--served-model-name", "m")
+        try:
+            wait_ready(ap, pre)
+            if pre_dtype != dec_dtype:
+                wait_ready(port, dec, path="/health")
+                assert wait_for(lambda: admin_state(port)["peers"][0]["refused"], timeout=20)
+                refused = admin_state(port)["peers"][0]["refused"]
+                assert refused.startswith("dtype:") and "'float32'" in refused and "'bfloat16'" in refused
+            else:
+                wait_ready(port, dec)
+                client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+                assert client.completions.create(model="m", prompt="Hello", max_tokens=3).usage.completion_tokens >= 1
+        finally:
+            stop(dec, timeout=30), stop(pre, timeout=30)

@@ -52,7 +52,9 @@ MUST_MATCH = ("protocol_version", "model_fingerprint", "point", "dtype", "num_la
 def mismatch(a: Manifest, b: Manifest) -> str | None:
     for f in MUST_MATCH:
         if getattr(a, f) != getattr(b, f):
-            return f"{f}: {a.role} has {getattr(a, f)!r}, {b.role} has {getattr(b, f)!r}"
+            hint = (" (dtype = auto computes float32 on CPUs without native bf16: set the same dtype on both roles)"
+                    if f == "dtype" else "")
+            return f"{f}: {a.role} has {getattr(a, f)!r}, {b.role} has {getattr(b, f)!r}{hint}"
     return None
 
 
