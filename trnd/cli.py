@@ -124,6 +124,9 @@ def _bench_parser(sub) -> None:
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--skip-hf", action="store_true", help="measure trnd only")
     e.add_argument("--tp", type=int, default=1, help="N > 1: trnd at TP=N against trnd at TP=1 (no transformers)")
+    e.add_argument("--compare-dtype", choices=["bfloat16", "float32"],
+                   help="trnd at --dtype against trnd at this dtype (no transformers), alternated --rounds times")
+    e.add_argument("--rounds", type=int, default=1, help="with --compare-dtype: alternated rounds, best of each")
     d = bsub.add_parser("disagg", help="NIXL throughput vs memcpy; TTFT disaggregated vs aggregated, pipelining "
                                        "on and off")
     d.add_argument("--model", default="small", help="model dir or preset (default small)")

@@ -124,7 +124,13 @@ def read_bandwidth_gbs() -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def weight_bytes(model_dir: str) -> int:
+def _best(runs: list[dict]) -> dict:
+    """Per metric, the best of several runs: on a shared machine the minimum is the least disturbed."""
+    return {k: min(r[k] for r in runs) for k in runs[0]}
+
+
+def weight_bytes(model_dir: str, dtype: str | None = None) -> int:
+    """Bytes one decode step reads: every weight once, in the dtype it is loaded in."""
     from safetensors import safe_open
 
     from trnd.model.loader import _weight_files
@@ -137,7 +143,8 @@ def weight_bytes(model_dir: str) -> int:
                 n = 1
                 for d in sl.get_shape():
                     n *= d
-                total += n * (2 if sl.get_dtype() in ("BF16", "F16") else 4)
+                size = 2 if sl.get_dtype() in ("BF16", "F16") else 4
+                total += n * ({"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype or "", size))
     return total
 
 
@@ -153,11 +160,17 @@ def main(args) -> int:
     if args.tp > 1:  # TP=1 vs TP=N, both trnd
         ours, theirs = run_side(f"trnd-tp{args.tp}", a), run_side("trnd", a)
         print(f"comparing trnd TP={args.tp} (first column) with trnd TP=1 (second column)")
+    elif args.compare_dtype:  # one engine, two compute dtypes, alternated; the best of each round counts
+        b = (model, args.compare_dtype, *a[2:])
+        runs = [(run_side("trnd", a), run_side("trnd", b)) for _ in range(args.rounds)]
+        ours, theirs = (_best([r[i] for r in runs]) for i in (0, 1))
+        print(f"comparing dtype {args.dtype} (first column) with {args.compare_dtype} (second column), best of "
+              f"{args.rounds} alternated round(s)")
     else:
         ours = run_side("trnd", a)
         theirs = None if args.skip_hf else run_side("hf", a)
     bw = read_bandwidth_gbs()
-    wb = weight_bytes(model)
+    wb = weight_bytes(model, args.dtype)
     rows = [("prefill tok/s", args.prompt_len / ours["prefill_s"],
              theirs and args.prompt_len / theirs["prefill_s"])]
     for b in batches:
@@ -165,7 +178,8 @@ def main(args) -> int:
         rows.append((f"decode tok/s b={b}", b * args.new_tokens / ours[k],
                      theirs and b * args.new_tokens / theirs[k]))
     rows.append(("peak RSS MB", ours["peak_rss_mb"], theirs and theirs["peak_rss_mb"]))
-    names = (f"trnd TP={args.tp}", "trnd TP=1") if args.tp > 1 else ("trnd", "transformers")
+    names = ((f"trnd TP={args.tp}", "trnd TP=1") if args.tp > 1 else
+             (args.dtype, args.compare_dtype) if args.compare_dtype else ("trnd", "transformers"))
     print(f"{'metric':<20}{names[0]:>12}{names[1]:>14}{'ratio':>8}")
     for name, o, t in rows:
         ratio = f"{o / t:.2f}x" if t else "-"
