@@ -102,6 +102,21 @@ def _store_parser(sub) -> None:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
+def _router_parser(sub) -> None:
+    p = sub.add_parser("router", help="run the OpenAI front of several decode servers (session/prefix/load routing)",
+                       description="Run a router: the decode servers' OpenAI routes, each request sent to one "
+                                   "decode server by session (rendezvous hash), cached prefix, then load; failover "
+                                   "to another server for requests not yet streaming.")
+    p.add_argument("--config", metavar="FILE", help="TOML router config (see configs/router.toml)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default 8000)")
+    p.add_argument("--target", dest="targets", action="append", metavar="HOST:PORT",
+                   help="a decode server's HTTP address (repeatable; replaces the config's targets)")
+    p.add_argument("--model", metavar="DIR", help="the targets' model dir or preset, to count prompt tokens exactly")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
 def _model_parser(sub) -> None:
     p = sub.add_parser("model", help="make or inspect models")
     msub = p.add_subparsers(dest="model_cmd", required=True)
@@ -164,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _disagg_parsers(sub)
     _store_parser(sub)
+    _router_parser(sub)
     _model_parser(sub)
     _bench_parser(sub)
     return parser
@@ -208,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(str(e).replace("\n", " ")) from None
             setup_logging(cfg.log_level)
             return (prefill if args.cmd == "prefill" else decode).run(cfg)
+        if args.cmd == "router":
+            from trnd.config import RouterConfig, load_config
+            from trnd.log import setup_logging
+            from trnd.roles import router
+
+            flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
+            cfg = load_config(RouterConfig, args.config, flags)
+            setup_logging(cfg.log_level)
+            return router.run(cfg, lambda: load_config(RouterConfig, args.config, flags))
         if args.cmd == "store":
             from trnd.roles import store
 

@@ -165,6 +165,46 @@ class DecodeConfig(ServeConfig, kw_only=True):
     resolved_secret = RoleConfig.resolved_secret
 
 
+class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`trnd router`: the OpenAI front of a deployment with several decode servers (trnd/router/)."""
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    targets: list[str] = msgspec.field(default_factory=list)  # decode servers' HTTP host:port
+    api_key: str | None = None  # required of the router's clients on /v1 and /admin
+    api_key_file: str | None = None
+    target_api_key: str | None = None  # sent to the targets; None: the client's Authorization header as given
+    target_api_key_file: str | None = None
+    model: str | None = None  # the targets' model dir (or preset): counts prompt tokens exactly; None: bytes
+    probe_s: Annotated[float, Meta(gt=0)] = 1.0  # /ready probe period per target
+    probe_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
+    fail_after: Positive = 2  # consecutive failed probes that take a target out
+    connect_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
+    request_timeout_s: Annotated[float, Meta(gt=0)] = 600.0  # no byte from a target this long: the request ends
+    retries: Annotated[int, Meta(ge=0, le=4)] = 1  # a request not yet streaming is retried on another target
+    prefix_block_chars: Positive = 256  # prefix affinity: the router hashes prompts in blocks of this many chars
+    prefix_entries: Positive = 200_000  # block hashes remembered (LRU)
+    prefix_load_slack: Annotated[int, Meta(ge=0)] = 4  # a prefix target may carry this many more in flight
+    max_body_bytes: Positive = 4 * 2**20
+    log_level: str = "info"
+    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+
+    def __post_init__(self):
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise msgspec.ValidationError(f"log_level = {self.log_level!r} is not one of debug, info, warning, "
+                                          "error - at `$.log_level`")
+        for i, t in enumerate(self.targets):
+            host, _, port = t.rpartition(":")
+            if not host or not port.isdigit():
+                raise msgspec.ValidationError(f"targets[{i}] = {t!r} is not host:port - at `$.targets[{i}]`")
+
+    resolved_api_key = ServeConfig.resolved_api_key
+
+    def resolved_target_key(self) -> str | None:
+        if self.target_api_key_file:
+            return Path(os.path.expandvars(self.target_api_key_file)).read_text().strip()
+        return self.target_api_key
+
+
 class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """`trnd store`: the L3 remote KV store, one large DRAM region carved into canonical page slots.
 

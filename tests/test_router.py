@@ -1,0 +1,143 @@
+"""`trnd router` in front of two real decode fronts (aggregated `trnd serve` processes), driven by the
+official openai client: session affinity, spreading, streaming, failover on SIGKILL, fit, auth."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import free_port, stop, wait_ready
+from tests.test_api_openai import Server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def backends(tiny_qwen3, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router")
+    servers = [Server(tiny_qwen3, tmp, "--aggregated", max_model_len=1024) for _ in range(2)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def start_router(targets: list[str], *extra: str, model=None) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "trnd", "router", "--port", str(port), *sum((["--target", t] for t in targets), []),
+           *extra]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_ready(port, proc, timeout=60)
+    return proc, port
+
+
+@pytest.fixture(scope="module")
+def router(backends, tiny_qwen3):
+    proc, port = start_router([f"127.0.0.1:{s.port}" for s in backends], model=tiny_qwen3)
+    yield port
+    stop(proc)
+
+
+def client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+
+
+def chat_turn(c: openai.OpenAI, history: list[dict], session: str) -> tuple[str, str, int]:
+    raw = c.chat.completions.with_raw_response.create(model=c.models.list().data[0].id, messages=history,
+                                                      max_tokens=8, extra_body={"session_id": session})
+    reply = raw.parse()
+    history.append({"role": "assistant", "content": reply.choices[0].message.content})
+    cached = reply.usage.prompt_tokens_details.cached_tokens if reply.usage.prompt_tokens_details else 0
+    return raw.headers["x-trnd-target"], raw.headers["x-trnd-route"], cached
+
+
+def test_models_come_from_the_targets(router, backends):
+    cards = client(router).models.list().data
+    assert len(cards) == 1 and cards[0].model_extra["max_model_len"] == 1024
+
+
+def test_a_session_stays_on_one_server_and_hits_its_cache(router):
+    c = client(router)
+    history = [{"role": "system", "content": "You are a terse assistant. " * 8}]
+    seen = []
+    for turn in range(3):
+        history.append({"role": "user", "content": f"Turn {turn}: tell me about the sea, the sky and the hills."})
+        seen.append(chat_turn(c, history, "conv-1"))
+    assert len({t for t, _, _ in seen}) == 1 and all(r == "session" for _, r, _ in seen)
+    assert seen[1][2] > 0 and seen[2][2] > 0  # turns 2-3 found the conversation in that server's prefix cache
+
+
+def test_sessions_spread_over_both_servers(router, backends):
+    c = client(router)
+    where = {chat_turn(c, [{"role": "user", "content": "hi"}], f"spread-{i}")[0] for i in range(12)}
+    assert where == {f"127.0.0.1:{s.port}" for s in backends}
+
+
+def test_streaming_passes_through_and_equals_non_streamed(router):
+    c = client(router)
+    kw = dict(model=c.models.list().data[0].id, prompt="Once upon a time", max_tokens=12, temperature=0)
+    whole = c.completions.create(**kw).choices[0].text
+    parts = [ch.choices[0].text for ch in c.completions.create(**kw, stream=True) if ch.choices]
+    assert "".join(parts) == whole and len(parts) > 1
+
+
+def test_too_long_for_every_server_is_400_with_the_numbers(router):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(router).completions.create(model="m", prompt="word " * 50, max_tokens=5000)
+    assert "largest context served is 1024" in str(e.value)
+
+
+def test_bad_json_is_an_openai_400(router):
+    r = httpx.post(f"http://127.0.0.1:{router}/v1/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_router_state_and_metrics(router):
+    s = httpx.get(f"http://127.0.0.1:{router}/admin/state", timeout=10).json()
+    assert s["role"] == "router" and len(s["targets"]) == 2 and all(t["healthy"] for t in s["targets"])
+    assert s["routed"]["session"] > 0
+    m = httpx.get(f"http://127.0.0.1:{router}/metrics", timeout=10).text
+    assert 'trnd:router_requests_total{route="session"' in m and "trnd:router_target_healthy" in m
+
+
+def test_sigkill_of_one_server_moves_its_sessions_without_5xx(tiny_qwen3, tmp_path):
+    servers = [Server(tiny_qwen3, tmp_path, "--aggregated", max_model_len=1024) for _ in range(2)]
+    proc, port = start_router([f"127.0.0.1:{s.port}" for s in servers], "--log-level", "warning")
+    try:
+        c = client(port)
+        homes = {f"s{i}": chat_turn(c, [{"role": "user", "content": "hello"}], f"s{i}")[0] for i in range(8)}
+        victim = servers[0]
+        moved = [s for s, addr in homes.items() if addr == f"127.0.0.1:{victim.port}"]
+        assert moved, homes
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait()
+        t0 = time.monotonic()
+        for s in moved:  # each is served by the survivor: the first may fail over inside the router
+            target, _, _ = chat_turn(c, [{"role": "user", "content": "hello again"}], s)
+            assert target == f"127.0.0.1:{servers[1].port}"
+        assert time.monotonic() - t0 < 60
+        state = httpx.get(f"http://127.0.0.1:{port}/admin/state", timeout=10).json()
+        dead = next(t for t in state["targets"] if t["addr"] == f"127.0.0.1:{victim.port}")
+        assert not dead["healthy"]
+        servers[1].wait_idle()  # nothing leaked on the survivor
+    finally:
+        stop(proc)
+        for s in servers:
+            s.stop()
+
+
+def test_router_api_key(backends):
+    proc, port = start_router([f"127.0.0.1:{s.port}" for s in backends], "--api-key", "k1")
+    try:
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 401
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer k1"}, timeout=10)
+        assert r.status_code == 200
+    finally:
+        stop(proc)

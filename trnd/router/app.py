@@ -1,0 +1,199 @@
+"""The router's HTTP front: the decode servers' routes, each request proxied to one of them.
+
+`/v1/chat/completions` and `/v1/completions` go to the target trnd/router/policy.py picks; `/v1/models`
+lists what the healthy targets serve; `/health`, `/ready`, `/metrics` and `/admin/state` describe the
+router. The API key and error schema are the decode servers' own (trnd/api/auth.py, errors.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from trnd.api.auth import APIKeyMiddleware
+from trnd.api.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
+from trnd.api.server import read_body
+from trnd.config import RouterConfig
+from trnd.router.policy import PrefixIndex, prefix_hashes
+from trnd.router.proxy import Proxied
+from trnd.router.targets import Target, Targets
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (the decode servers' too)
+MESSAGE_OVERHEAD_TOKENS = 8  # chat: the template's role markers per message, when counting with a tokenizer
+
+
+class RouterMetrics:
+    def __init__(self, st: "RouterState"):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("trnd:router_requests", "Requests routed, by target and rule", ["target", "route"],
+                                registry=r)
+        self.failovers = Counter("trnd:router_failovers", "Target failures seen by requests", ["target"],
+                                 registry=r)
+        self.retries = Counter("trnd:router_retries", "Requests retried on another target", registry=r)
+        healthy = Gauge("trnd:router_target_healthy", "1 while the target answers /ready", ["target"], registry=r)
+        in_flight = Gauge("trnd:router_target_in_flight", "Requests in flight per target", ["target"], registry=r)
+        self._gauges = (healthy, in_flight)
+        self.st = st
+
+    def render(self) -> bytes:
+        healthy, in_flight = self._gauges
+        for t in self.st.targets.all:
+            healthy.labels(t.addr).set(1 if t.healthy else 0)
+            in_flight.labels(t.addr).set(t.in_flight)
+        return generate_latest(self.registry)
+
+
+@dataclass
+class RouterState:
+    cfg: RouterConfig
+    client: httpx.AsyncClient
+    targets: Targets
+    index: PrefixIndex
+    tokenizer: object | None = None  # trnd Tokenizer of the targets' model: exact prompt counts
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+    routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0})
+    metrics: RouterMetrics | None = None
+
+    def count(self, t: Target, rule: str) -> None:
+        t.requests += 1
+        self.routed[rule] += 1
+        self.metrics.requests.labels(t.addr, rule).inc()
+
+
+def build_app(st: RouterState) -> Starlette:
+    st.metrics = RouterMetrics(st)
+    routes = [
+        Route("/v1/chat/completions", _route("/v1/chat/completions"), methods=["POST"]),
+        Route("/v1/completions", _route("/v1/completions"), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/admin/state", admin_state, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, api_key=st.cfg.resolved_api_key())],
+                    exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
+                                        Exception: internal_error_handler})
+    app.state.router = st
+    return app
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.router
+
+
+def _json(obj, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: their text, in order
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def prompt_text(path: str, data: dict) -> str:
+    """What the prompt's prefix is made of, for fit and prefix affinity (the targets render it exactly)."""
+    if path == "/v1/chat/completions":
+        return "".join(f"<{m.get('role')}>{_text(m.get('content'))}\n" for m in data.get("messages") or []
+                       if isinstance(m, dict))
+    p = data.get("prompt")
+    return p if isinstance(p, str) else msgspec.json.encode(p).decode()
+
+
+def needed_tokens(st: RouterState, path: str, data: dict, text: str) -> int:
+    """prompt + max_tokens: counted with the model's tokenizer when the router has it, else bounded by the
+    UTF-8 byte count (a byte-level BPE never makes more tokens than bytes)."""
+    chat = path == "/v1/chat/completions"
+    if st.tokenizer is not None:
+        n = len(st.tokenizer.encode(text, add_special_tokens=not chat))
+        n += MESSAGE_OVERHEAD_TOKENS * len(data.get("messages") or []) if chat else 0
+    else:
+        n = len(text.encode("utf-8", errors="replace"))
+    mt = data.get("max_completion_tokens") or data.get("max_tokens")
+    mt = mt if isinstance(mt, int) else (0 if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return n + mt
+
+
+def _route(path: str):
+    async def handler(request: Request):
+        st = _state(request)
+        if st.draining:
+            raise APIError(503, "The router is draining and accepts no new requests", code="draining",
+                           headers={"Retry-After": "1"})
+        body = await read_body(request, st.cfg.max_body_bytes)
+        try:
+            data = msgspec.json.decode(body)
+        except msgspec.DecodeError as e:
+            raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "The body must be a JSON object", code="invalid_json")
+        session = data.get("session_id") or request.headers.get("x-session-id")
+        if session is not None and not isinstance(session, str):
+            raise APIError(400, "session_id must be a string", param="session_id")
+        text = prompt_text(path, data)
+        headers = {"content-type": "application/json"}
+        key = st.cfg.resolved_target_key()
+        auth = f"Bearer {key}" if key else request.headers.get("authorization")
+        if auth:
+            headers["authorization"] = auth
+        if session:
+            headers["x-session-id"] = session
+        return Proxied(st, path, body, bool(data.get("stream")), needed_tokens(st, path, data, text), session,
+                       prefix_hashes(text, st.cfg.prefix_block_chars), headers)
+    return handler
+
+
+async def models(request: Request) -> Response:
+    st = _state(request)
+    cards: dict[str, dict] = {}
+    for t in st.targets.healthy():
+        c = cards.setdefault(t.model, {"id": t.model, "object": "model", "created": int(st.started),
+                                       "owned_by": "trnd", "max_model_len": 0})
+        c["max_model_len"] = max(c["max_model_len"], t.max_model_len)
+    return _json({"object": "list", "data": list(cards.values())})
+
+
+async def health(request: Request) -> Response:
+    return _json({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    st = _state(request)
+    if st.draining:
+        return _json({"status": "draining"}, 503)
+    n = len(st.targets.healthy())
+    return _json({"status": "ready" if n else "no healthy target", "healthy_targets": n}, 200 if n else 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def admin_state(request: Request) -> Response:
+    st = _state(request)
+    now = time.monotonic()
+    return _json({
+        "role": "router",
+        "draining": st.draining,
+        "uptime_s": round(time.time() - st.started, 1),
+        "routed": st.routed,
+        "prefix_entries": len(st.index.map),
+        "targets": [{"addr": t.addr, "healthy": t.healthy, "model": t.model, "point": t.point,
+                     "max_model_len": t.max_model_len, "in_flight": t.in_flight, "requests": t.requests,
+                     "sessions": len(t.sessions), "error": t.error,
+                     "last_ok_s": round(now - t.last_ok, 2) if t.last_ok else None} for t in st.targets.all],
+    })
