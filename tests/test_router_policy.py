@@ -80,3 +80,9 @@ def test_excluded_targets_are_not_retried():
     assert other is not t
     with pytest.raises(NoTarget, match="left to retry"):
         choose(ts, 10, "s", [], PrefixIndex(10), 4, exclude={t.addr, other.addr})
+
+
+def test_round_robin_ignores_sessions():
+    ts = targets((8192, 0), (8192, 0))
+    got = [choose(ts, 10, "same", [], PrefixIndex(10), 4, round_robin=i)[0].addr for i in range(4)]
+    assert got[0] != got[1] and got[0] == got[2]

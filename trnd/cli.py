@@ -114,6 +114,8 @@ def _router_parser(sub) -> None:
                    help="a decode server's HTTP address (repeatable; replaces the config's targets)")
     p.add_argument("--model", metavar="DIR", help="the targets' model dir or preset, to count prompt tokens exactly")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    p.add_argument("--policy", choices=["affinity", "round-robin"],
+                   help="affinity (default): session, prefix, load; round-robin: the baseline for benchmarks")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 

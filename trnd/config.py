@@ -184,6 +184,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefix_block_chars: Positive = 256  # prefix affinity: the router hashes prompts in blocks of this many chars
     prefix_entries: Positive = 200_000  # block hashes remembered (LRU)
     prefix_load_slack: Annotated[int, Meta(ge=0)] = 4  # a prefix target may carry this many more in flight
+    policy: str = "affinity"  # affinity: session, prefix, load (trnd/router/policy.py); round-robin: benchmarks
     max_body_bytes: Positive = 4 * 2**20
     log_level: str = "info"
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
@@ -192,6 +193,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise msgspec.ValidationError(f"log_level = {self.log_level!r} is not one of debug, info, warning, "
                                           "error - at `$.log_level`")
+        if self.policy not in ("affinity", "round-robin"):
+            raise msgspec.ValidationError(f"policy = {self.policy!r} is not one of affinity, round-robin - at "
+                                          "`$.policy`")
         for i, t in enumerate(self.targets):
             host, _, port = t.rpartition(":")
             if not host or not port.isdigit():

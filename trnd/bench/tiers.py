@@ -92,8 +92,9 @@ async def replay(port: int, sessions: list[list[int]], turns: int, growth: list[
         for t, i in order:
             events[t, i] = asyncio.Event()
             await sem.acquire()
+            prev = events.get((t - 1, i))
 
-            async def run(t=t, i=i, ev=events[t, i], after=events.get((t - 1, i))):
+            async def run(t=t, i=i, ev=events[t, i], after=prev):
                 try:
                     await turn(client, t, i, after)
                 finally:

@@ -1,7 +1,7 @@
 """`trnd router`: probe the targets, serve HTTP, READY once a target is healthy; drain on SIGTERM.
 
-Under systemd (`trnd@router`, Type=notify): READY=1 when the first target answers /ready, STOPPING=1
-on SIGTERM, then requests in flight run to completion for up to drain_timeout_s. SIGHUP re-reads the
+Under systemd (`trnd@router`, Type=notify): READY=1 when the first target answers /ready, WATCHDOG=1
+while the event loop turns, STOPPING=1 on SIGTERM, then requests in flight run to completion for up to drain_timeout_s. SIGHUP re-reads the
 config and applies `targets`, `api_key(_file)`, `target_api_key(_file)` and `log_level` live.
 """
 
@@ -55,8 +55,12 @@ async def _main(cfg: RouterConfig, tokenizer, reload_source) -> int:
         aio.add_signal_handler(signal.SIGHUP, lambda: _reload(st, app, reload_source))
         probes = asyncio.create_task(targets.run(), name="trnd-router-probes")
         serving = asyncio.create_task(http.serve(), name="trnd-router-http")
-        ready = False
+        ready, pinged = False, 0.0
+        wd = notify.watchdog_interval()
         while not stop.is_set():
+            if wd is not None and time.monotonic() - pinged >= min(wd / 2, 10.0):  # the event loop turns
+                notify.watchdog()
+                pinged = time.monotonic()
             if serving.done():
                 log.error("HTTP server stopped unexpectedly: %s", serving.exception() if not serving.cancelled()
                           else "cancelled")

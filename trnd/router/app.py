@@ -62,8 +62,16 @@ class RouterState:
     tokenizer: object | None = None  # trnd Tokenizer of the targets' model: exact prompt counts
     draining: bool = False
     started: float = field(default_factory=time.time)
-    routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0})
+    routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0, "round-robin": 0})
     metrics: RouterMetrics | None = None
+    rr: int = 0
+
+    def next_rr(self) -> int | None:
+        """The request's turn under policy = "round-robin"; None under affinity."""
+        if self.cfg.policy != "round-robin":
+            return None
+        self.rr += 1
+        return self.rr
 
     def count(self, t: Target, rule: str) -> None:
         t.requests += 1
