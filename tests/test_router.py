@@ -141,3 +141,44 @@ def test_router_api_key(backends):
         assert r.status_code == 200
     finally:
         stop(proc)
+
+
+def test_a_moved_session_loads_its_history_from_the_l3_store(tiny_qwen3, tmp_path):
+    """Its server dies; the session's next turn lands on the other server, which loads the conversation's
+    pages from the shared store instead of recomputing them."""
+    from tests.test_disagg import prompts
+    from tests.test_tiers_remote import start_store
+
+    secret = tmp_path / "secret"
+    secret.write_text("l3-secret-0123456789")
+    store, cp, _ = start_store(secret)
+    extra = ("--aggregated", "--config", str(tmp_path / "l3.toml"))
+    (tmp_path / "l3.toml").write_text(f'store = ["127.0.0.1:{cp}"]\nsecret_file = "{secret}"\n')
+    servers = [Server(tiny_qwen3, tmp_path, *extra, max_model_len=1024) for _ in range(2)]
+    proc, port = start_router([f"127.0.0.1:{s.port}" for s in servers], "--log-level", "warning")
+    try:
+        def turn(prompt: list[int], n: int) -> tuple[str, dict]:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, headers={"x-session-id": "l3"},
+                           json={"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.headers["x-trnd-target"], r.json()
+
+        history = prompts([400], seed=31)[0]
+        home, _ = turn(history, 8)
+        a = next(s for s in servers if f"127.0.0.1:{s.port}" == home)
+        b = next(s for s in servers if s is not a)
+        deadline = time.monotonic() + 10
+        while a.state()["tiers"]["remote"]["pages_written"] == 0:
+            assert time.monotonic() < deadline, "turn 1's pages never reached the store"
+            time.sleep(0.1)
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait()
+        before = b.state()["stats"]["loaded_tokens"]
+        where, _ = turn(history + prompts([20], seed=32)[0], 4)
+        assert where == f"127.0.0.1:{b.port}"
+        assert b.state()["stats"]["loaded_tokens"] - before >= 16 * 20  # most of the 400-token history
+    finally:
+        stop(proc)
+        for s in servers:
+            s.stop()
+        stop(store)

@@ -126,7 +126,10 @@ def needed_tokens(st: RouterState, path: str, data: dict, text: str) -> int:
     """prompt + max_tokens: counted with the model's tokenizer when the router has it, else bounded by the
     UTF-8 byte count (a byte-level BPE never makes more tokens than bytes)."""
     chat = path == "/v1/chat/completions"
-    if st.tokenizer is not None:
+    prompt = data.get("prompt")
+    if not chat and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        n = len(prompt)  # token ids: counted as they are
+    elif st.tokenizer is not None:
         n = len(st.tokenizer.encode(text, add_special_tokens=not chat))
         n += MESSAGE_OVERHEAD_TOKENS * len(data.get("messages") or []) if chat else 0
     else:
