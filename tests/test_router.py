@@ -3,10 +3,12 @@ official openai client: session affinity, spreading, streaming, failover on SIGK
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -182,3 +184,32 @@ def test_a_moved_session_loads_its_history_from_the_l3_store(tiny_qwen3, tmp_pat
         for s in servers:
             s.stop()
         stop(store)
+
+
+def test_vllm_router_fronts_trnd_decode_servers_unchanged(backends):
+    """Interop: vllm-router (its plain mode, consistent-hash policy) in front of two trnd servers; the
+    openai client works through it."""
+    exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    if not Path(exe).exists():
+        pytest.skip("vllm-router is not installed (pip install vllm-router: a test extra)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "consistent_hash",
+                             "--worker-urls", *[f"http://127.0.0.1:{s.port}" for s in backends],
+                             "--health-check-endpoint", "/health", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, c = time.monotonic() + 60, client(port)
+        while True:
+            assert proc.poll() is None, stop(proc)
+            try:
+                model = c.models.list().data[0].id
+                break
+            except (openai.APIConnectionError, openai.APIStatusError, IndexError):
+                assert time.monotonic() < deadline, "vllm-router never answered /v1/models"
+                time.sleep(0.5)
+        reply = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert reply.choices[0].message.content is not None and reply.usage.completion_tokens >= 1
+        parts = [ch for ch in c.completions.create(model=model, prompt="Once", max_tokens=4, stream=True)]
+        assert parts
+    finally:
+        stop(proc)
