@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "disaggregated prefill/decode)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("top", help="live operator console for a deployment (trnd top --help)", add_help=False)
+    sub.add_parser("points", help="what each decode point needs on this machine for a model (trnd points --help)",
+                   add_help=False)
     sub.add_parser("check", help="trnd check cpu: the CPU, its flags and the paths chosen; trnd check neuron|cuda: "
                                  "kernels vs torch twins, generation vs CPU (trnd check --help)", add_help=False)
     _serve_parser(sub)
@@ -193,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         from trnd.backends.check import main as check_main
 
         return check_main(argv[1:])
+    if argv[:1] == ["points"]:  # what each decode point needs here: its own flags (trnd points --help)
+        from trnd.points_report import main as points_main
+
+        return points_main(argv[1:])
     if argv[:1] == ["top"]:  # the operator console: its own flags (trnd top --help)
         from trnd.top.cli import main as top_main
 

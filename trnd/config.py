@@ -85,6 +85,17 @@ def _check_common(cfg) -> None:
     """Choices msgspec's type system does not express, named like msgspec names its errors."""
     choices = {"log_level": ("debug", "info", "warning", "error"), "dtype": ("auto", "bfloat16", "float32", "float16"),
                "host_policy": ("write-back", "write-through"), "backend": ("cpu", "cuda", "neuron")}
+    point = getattr(cfg, "point", None)
+    if point is not None:
+        from trnd.points import load_points
+
+        try:
+            known = load_points()
+        except ValueError as e:  # a broken points file: its own message names the file and field
+            raise msgspec.ValidationError(f"{e} - at `$.point`") from None
+        if point not in known:
+            raise msgspec.ValidationError(f"point = {point!r} is not a known decode point (known: "
+                                          f"{', '.join(sorted(known))}) - at `$.point`")
     for field, allowed in choices.items():
         value = getattr(cfg, field, None)
         if field == "log_level" and isinstance(value, str):
