@@ -272,8 +272,7 @@ def test_reload_swaps_limits_and_api_key_and_ignores_the_rest(tmp_path, monkeypa
     app = build_app(loop, cfg, "m")
     new = {}
     life = lifecycle.Lifecycle("serve", cfg, reload_source=lambda: ServeConfig(**new))
-    life.app, life.loop, life.phase = app, loop, "running"
-    life._auth = lifecycle._auth_middleware(app)
+    life.state, life.loop, life.phase = app.state.trnd, loop, "running"
     client = TestClient(app)
 
     def status(k: str) -> int:
@@ -300,11 +299,13 @@ def test_reload_swaps_limits_and_api_key_and_ignores_the_rest(tmp_path, monkeypa
 def test_argv_source_rereads_the_file_with_the_same_flags(tmp_path):
     f = tmp_path / "serve.toml"
     f.write_text("max_n = 3\nport = 8001\n")
-    source = lifecycle.argv_source("serve", ServeConfig, ["serve", "--config", str(f), "--port", "8002"])
+    from trnd.cli import argv_source
+
+    source = argv_source("serve", ServeConfig, ["serve", "--config", str(f), "--port", "8002"])
     f.write_text("max_n = 5\nport = 8001\n")
     cfg = source()
     assert (cfg.max_n, cfg.port) == (5, 8002)
-    assert lifecycle.argv_source("serve", ServeConfig, ["-m", "pytest"]) is None
+    assert argv_source("serve", ServeConfig, ["-m", "pytest"]) is None
 
 
 # -- the daemon, end to end -------------------------------------------------------------------------

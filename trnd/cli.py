@@ -1,12 +1,12 @@
-"""The `trnd` command: serve, model, bench (and, as they land, prefill, decode, store, top)."""
+"""The `trnd` command: serve, prefill, decode, store, top, check, model, bench."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
-EX_CONFIG = 78  # sysexits.h: a bad configuration; systemd units do not restart on it
-EX_UNAVAILABLE = 69  # sysexits.h: the backend cannot run on this host (as `trnd check` exits)
+from trnd.procs import EX_CONFIG, EX_UNAVAILABLE
 
 
 def _check_backend(name: str) -> None:
@@ -189,6 +189,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def argv_source(role: str, cls: type, argv: list[str] | None = None) -> Callable[[], object] | None:
+    """How to re-read this process's config: the command line it was started with, parsed again by the
+    same parser (so flags keep overriding the file). None when argv is not a `trnd <role>` command."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != role:
+        return None
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        return None
+    flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
+    from trnd.config import load_config
+
+    return lambda: load_config(cls, args.config, flags)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["check"]:  # the operator's device check: its own flags (trnd check --help)
@@ -217,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(ServeConfig, args.config, flags)
             _check_backend(cfg.backend)
             setup_logging(cfg.log_level)
-            return serve.run(cfg)
+            return serve.run(cfg, argv_source("serve", ServeConfig, argv))
         if args.cmd in ("prefill", "decode"):
             from trnd.config import DecodeConfig, PrefillConfig, load_config
             from trnd.log import setup_logging
@@ -231,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError) as e:
                 raise ConfigError(str(e).replace("\n", " ")) from None
             setup_logging(cfg.log_level)
-            return (prefill if args.cmd == "prefill" else decode).run(cfg)
+            return (prefill if args.cmd == "prefill" else decode).run(cfg, argv_source(args.cmd, type(cfg), argv))
         if args.cmd == "router":
             from trnd.config import RouterConfig, load_config
             from trnd.log import setup_logging

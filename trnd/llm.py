@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trnd.engine.engine import Engine, EngineConfig
 from trnd.engine.output import TokenLogprob
-from trnd.engine.request import SamplingParams
+from trnd.sampling_params import SamplingParams
 
 
 @dataclass

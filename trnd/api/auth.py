@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hmac
 
+from collections.abc import Callable
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from trnd.api.errors import APIError, error_bytes
@@ -44,3 +46,30 @@ class APIKeyMiddleware:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def key_swap(auth: APIKeyMiddleware | None, cfg) -> Callable[[], list[str]]:
+    """A reload's key change: cfg's key is read now (a missing file fails before anything changes);
+    the function returned puts it in place."""
+    key = cfg.resolved_api_key()
+    new = key.encode() if key else None
+
+    def commit() -> list[str]:
+        if auth is None or new == auth.expected:
+            return []
+        auth.expected = new
+        return ["api key"]
+    return commit
+
+
+def find_api_key_middleware(app) -> APIKeyMiddleware | None:
+    """The app's APIKeyMiddleware instance (so a reload can swap the key), building Starlette's
+    middleware stack now rather than on the first request."""
+    if app.middleware_stack is None:
+        app.middleware_stack = app.build_middleware_stack()
+    node = app.middleware_stack
+    while node is not None:
+        if isinstance(node, APIKeyMiddleware):
+            return node
+        node = getattr(node, "app", None)
+    return None

@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 
 from trnd.api.errors import APIError, invalid
-from trnd.engine.request import SamplingParams
+from trnd.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
 

@@ -153,7 +153,7 @@ PROMPTS = ["The quick brown fox", "Trainium and Inferentia are", "1, 2, 3, 4,", 
 
 def compare_generation(backend: Backend, model_dir: str, tokens: int = 16, dtype: str | None = None) -> Result:
     """Greedy tokens on the device vs the CPU, prompt by prompt."""
-    from trnd.engine.request import SamplingParams
+    from trnd.sampling_params import SamplingParams
     from trnd.llm import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)

@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 from trnd.bench import cpu_line
 
+from trnd.procs import free_port, wait_ready
+
 SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
@@ -91,29 +93,6 @@ def nixl_throughput(sizes: list[int], reps: int = 5) -> list[dict]:
 
 # -- 2 and 3. TTFT ------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(port: int, procs: list[subprocess.Popen], timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"server exited with {p.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server not ready")
-
-
 def _stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -144,7 +123,7 @@ def start(kind: str, model: str, point: str, kv_gb: float, tmp: Path, threads: i
           ) -> tuple[list, int, int | None]:
     exe = [sys.executable, "-m", "trnd"]
     th = ["--threads", str(threads)] if threads else []
-    port = _free_port()
+    port = free_port()
     log = open(tmp / f"{kind}.log", "w")
     if kind == "aggregated":
         procs = [subprocess.Popen([*exe, "serve", "--aggregated", "--model", model, "--port", str(port),
@@ -154,7 +133,7 @@ def start(kind: str, model: str, point: str, kv_gb: float, tmp: Path, threads: i
     else:
         secret = tmp / "secret"
         secret.write_text(secrets.token_hex(16))
-        cp, ap = _free_port(), _free_port()
+        cp, ap = free_port(), free_port()
         common = ["--model", model, "--point", point, "--secret-file", str(secret), "--kv-memory-gb", str(kv_gb),
                   "--no-prefix-cache", *th]
         extra = ["--no-pipeline"] if kind == "disagg-nopipe" else []
@@ -162,7 +141,7 @@ def start(kind: str, model: str, point: str, kv_gb: float, tmp: Path, threads: i
                                    *extra], stdout=log, stderr=subprocess.STDOUT),
                  subprocess.Popen([*exe, "decode", *common, "--port", str(port), "--prefill", f"127.0.0.1:{cp}",
                                    "--served-model-name", "m"], stdout=log, stderr=subprocess.STDOUT)]
-    _wait(port, procs)
+    wait_ready(port, procs)
     return procs, port, None if kind == "aggregated" else ap
 
 

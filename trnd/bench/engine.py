@@ -25,7 +25,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _trnd_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[int], tp: int = 1) -> dict:
-    from trnd.engine.request import SamplingParams
+    from trnd.sampling_params import SamplingParams
     from trnd.llm import LLM
 
     biggest = max(batches) * (DECODE_PROMPT + new) + prompt_len

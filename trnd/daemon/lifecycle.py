@@ -1,10 +1,13 @@
 """One role process's life under systemd (Type=notify), the same outside it: load, warm up, serve,
 reload on SIGHUP, drain on SIGTERM.
 
-    with Lifecycle("serve", cfg) as life:          # STATUS=loading, EXTEND_TIMEOUT_USEC every 10 s
+    with Lifecycle("serve", cfg, reload_source) as life:  # STATUS=loading, EXTEND_TIMEOUT_USEC every 10 s
         engine = ...; warm_up(engine)              # READY must mean "answers fast", not "is importing"
         life.loop = EngineLoop(engine).start()     # from now on the watchdog follows the engine loop
-        return run_async(lambda: life.serve(http, app, banner=...))
+        return run_async(lambda: life.serve(http, app.state.trnd, banner=...))
+
+The daemon knows no CLI, engine or API: it reads the two small contracts below (`Progress`, what the
+watchdog follows; `Readiness`, what /ready shows) and calls the role's `reload` hook with the new config.
 
 `serve` starts HTTP first (so /health answers while a decode server waits for its prefill peers),
 then waits for the role's own readiness, warms up what needs the loop, and only then flips /ready
@@ -24,14 +27,14 @@ import faulthandler
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import msgspec
 
-from trnd.config import ConfigError, load_config
+from trnd.config import ConfigError
 from trnd.daemon import notify
 
 log = logging.getLogger("trnd.daemon")
@@ -52,107 +55,37 @@ LIVE_FIELDS = frozenset({"log_level", "max_requests", "max_n", "max_body_bytes",
 _SECRET_FIELDS = frozenset({"api_key", "secret"})
 
 
-def argv_source(role: str, cls: type, argv: list[str] | None = None) -> Callable[[], object] | None:
-    """How to re-read this process's config: the command line it was started with, parsed again by the
-    same parser (so flags keep overriding the file). None when argv is not a `trnd <role>` command."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != role:
-        return None
-    from trnd.cli import build_parser
-
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit:
-        return None
-    flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
-    return lambda: load_config(cls, args.config, flags)
+class Progress(Protocol):
+    """What the watchdog follows (engine/loop.py EngineLoop): a crash, or a loop that stopped coming round."""
+    error: BaseException | None
+    last_progress: float
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """In a child (a TP rank, or a role before exec): `sig` when its parent dies, even by SIGKILL, so no
-    orphan keeps a node's memory or cores (PR_SET_PDEATHSIG; Linux only, nothing elsewhere)."""
-    import ctypes
+class Readiness(Protocol):
+    """What /ready shows (api/app.py AppState). `reload(cfg, live)` checks the live fields of a re-read
+    config and returns the function that applies them (so a bad key file changes nothing); it returns
+    the names of what it changed beyond the fields ("api key")."""
+    ready: bool
+    draining: bool
 
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def warm_up(engine, max_tokens: int = 2) -> float:
-    """One tiny greedy generation on the engine before its loop thread starts: the first forward pays
-    for allocator growth, kernel selection and (on accelerators) compilation, which READY must not
-    leave to the first client. The prompt is shorter than a page, so nothing lands in the prefix
-    cache; the counters are reset so /metrics starts from zero. Returns the seconds it took."""
-    from trnd.engine.request import SamplingParams
-
-    t0 = time.perf_counter()
-    ids = engine.tokenizer.encode("warm up", add_special_tokens=True)[:4] or [0]
-    engine.add(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), rid="trnd-warmup")
-    while engine.has_work:
-        engine.step()
-    # Then one full prefill chunk: the first chunk of a new size pays for the allocator and the kernels'
-    # workspaces once (measured: a first 2048-token prefill 1.2 s, the next ones 0.56 s); its pages are
-    # dropped from the prefix cache again.
-    n = min(engine.cfg.chunk_size, engine.max_model_len - 2)
-    if n > len(ids):
-        vocab = engine.model_config.vocab_size
-        tiers, engine.scheduler.tiers = engine.scheduler.tiers, None  # nothing of it goes to L2 or a store
-        try:
-            engine.add([3 + i % (vocab - 3) for i in range(n)],
-                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), rid="trnd-warmup-chunk")
-            while engine.has_work:
-                engine.step()
-        finally:
-            engine.scheduler.tiers = tiers
-        engine.radix.reset()
-        if tiers is not None:
-            tiers.reset()  # what the reset just wrote back to L2
-    engine.stats = type(engine.stats)()
-    return time.perf_counter() - t0
-
-
-async def warm_up_loop(loop, max_tokens: int = 2) -> None:
-    """The same through a running EngineLoop (decode: the first token comes from a prefill peer, so
-    this also proves the handoff path end to end)."""
-    from trnd.engine.request import SamplingParams
-
-    ids = loop.engine.tokenizer.encode("warm up", add_special_tokens=True)[:4] or [0]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    async with contextlib.aclosing(loop.generate(ids, params, "trnd-warmup")) as outs:
-        async for _ in outs:
-            pass
-
-
-def abort_requests(st) -> int:
-    """End every in-flight API request with 503 (the client may retry elsewhere). Returns how many."""
-    from trnd.engine.loop import Unavailable
-
-    err = Unavailable("the server is shutting down")
-    n = 0
-    for rids in list(st.active.values()):
-        for rid in rids:
-            st.loop.fail(rid, err)
-            n += 1
-    return n
+    def reload(self, cfg, live: list[str]) -> Callable[[], list[str]]: ...
 
 
 class Lifecycle:
-    def __init__(self, role: str, cfg, reload_source: Callable[[], object] | None = None):
-        """reload_source: returns the config re-read (default: parse sys.argv again, see argv_source)."""
+    def __init__(self, role: str, cfg, reload_source: Callable[[], object] | None):
+        """reload_source: returns the config re-read (cli.py: the same file and flags); None: cannot reload."""
         self.role = role
         self.cfg = cfg
-        self.reload_source = reload_source if reload_source is not None else argv_source(role, type(cfg))
+        self.reload_source = reload_source
         self.phase = "loading"  # loading -> starting -> running -> stopping
-        self.loop = None  # the EngineLoop once it exists: the watchdog follows its last_progress
-        self.app = None
+        self.loop: Progress | None = None  # the EngineLoop once it exists: the watchdog follows it
+        self.state: Readiness | None = None
         self.in_flight: Callable[[], int] = lambda: 0
         self.watchdog_s = notify.watchdog_interval()
         self.started = time.monotonic()
         self.reloads = 0
         self._stops = 0
         self._stop_event: asyncio.Event | None = None
-        self._auth = None
         self._last_status = ""
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
@@ -226,7 +159,7 @@ class Lifecycle:
 
     # -- serving ------------------------------------------------------------------------------------
 
-    async def serve(self, http, app=None, *, banner: str, ready_fn: Callable[[], bool] | None = None,
+    async def serve(self, http, state: Readiness | None = None, *, banner: str, ready_fn: Callable[[], bool] | None = None,
                     waiting: Callable[[], str] | None = None, warmup: Callable[[], Awaitable[None]] | None = None,
                     in_flight: Callable[[], int] | None = None, abort: Callable[[], int] | None = None,
                     on_drain: Callable[[], None] | None = None) -> int:
@@ -241,13 +174,11 @@ class Lifecycle:
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio.add_signal_handler(sig, self._on_stop, sig)
         aio.add_signal_handler(signal.SIGHUP, self._on_hup)
-        self.app = app
+        self.state = st = state
         if in_flight is not None:
             self.in_flight = in_flight
-        st = app.state.trnd if app is not None else None
         if st is not None:
             st.ready = False
-            self._auth = _auth_middleware(app)
         self.phase = "starting"
         self.status("starting HTTP")
         task = asyncio.create_task(_serve_http(http), name="trnd-http")
@@ -391,12 +322,8 @@ class Lifecycle:
         live = [f for f in changed if f in LIVE_FIELDS]
         ignored = [f for f in changed if f not in LIVE_FIELDS]
         merged = msgspec.structs.replace(old, **{f: getattr(new, f) for f in live})
-        st = self.app.state.trnd if self.app is not None else None
-        st_cfg, key = None, None
-        if st is not None:  # everything that can fail (reading the key file) before anything changes
-            st_cfg = msgspec.structs.replace(st.cfg, **{f: getattr(merged, f) for f in live
-                                                        if f in st.cfg.__struct_fields__})
-            key = st_cfg.resolved_api_key()
+        # Everything that can fail (reading the key file) before anything changes.
+        commit = self.state.reload(merged, live) if self.state is not None else None
         self.cfg = merged
         if "log_level" in live:
             from trnd.log import setup_logging
@@ -404,13 +331,8 @@ class Lifecycle:
             setup_logging(merged.log_level)
         if self.loop is not None and "max_requests" in live:
             self.loop.max_requests = merged.max_requests
-        if st is not None:
-            st.cfg = st_cfg
-            if self._auth is not None:
-                new_key = key.encode() if key else None
-                if new_key != self._auth.expected:
-                    live.append("api key")
-                self._auth.expected = new_key
+        if commit is not None:
+            live += commit()
         log.debug("reload #%d: config re-read", self.reloads)
         for f in ignored:
             log.warning("reload: %s changed (%s -> %s) but needs a restart: ignored", f, _show(f, getattr(old, f)),
@@ -432,18 +354,3 @@ async def _serve_http(http) -> None:
 
 def _show(field: str, value) -> str:
     return "<hidden>" if field in _SECRET_FIELDS and value else repr(value)
-
-
-def _auth_middleware(app):
-    """The app's APIKeyMiddleware instance (so a reload can swap the key), building Starlette's
-    middleware stack now rather than on the first request."""
-    from trnd.api.auth import APIKeyMiddleware
-
-    if app.middleware_stack is None:
-        app.middleware_stack = app.build_middleware_stack()
-    node = app.middleware_stack
-    while node is not None:
-        if isinstance(node, APIKeyMiddleware):
-            return node
-        node = getattr(node, "app", None)
-    return None

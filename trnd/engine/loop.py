@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 from trnd.engine.engine import Engine
 from trnd.engine.output import StepOutput
-from trnd.engine.request import SamplingParams
+from trnd.sampling_params import SamplingParams
 
 log = logging.getLogger("trnd.engine")
 

@@ -13,29 +13,7 @@ import enum
 import itertools
 import time
 
-import msgspec
-
-
-class SamplingParams(msgspec.Struct, kw_only=True):
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: off
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] = msgspec.field(default_factory=list)
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
-    skip_special_tokens: bool = True
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 1e-5 or self.top_k == 1
+from trnd.sampling_params import SamplingParams  # noqa: F401  (re-exported: the engine's callers)
 
 
 class Status(enum.Enum):

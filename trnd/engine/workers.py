@@ -13,7 +13,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -22,21 +21,15 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from trnd.daemon.lifecycle import die_with_parent
 from trnd.engine.runner import ModelRunner, StepInputs
 from trnd.parallel import TPGroup
+from trnd.procs import die_with_parent, free_port
 
 log = logging.getLogger("trnd.tp")
 
 _STOP = b""  # an empty step message ends the worker loop
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(StepInputs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_group(rank: int, size: int, port: int) -> TPGroup:

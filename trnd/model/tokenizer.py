@@ -16,6 +16,21 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte -> printable-char map, inverted: byte-level BPE vocab entries spell raw bytes."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
 def _load_json(path: Path) -> dict:
     """{} when the file is absent (the side files are optional); ValueError naming the file when malformed."""
     if not path.is_file():
@@ -98,6 +113,16 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_text_bytes(self, tid: int) -> tuple[str, list[int]]:
+        """(text, UTF-8 bytes) of one token, for logprobs: a token that is part of a multi-byte character
+        decodes to U+FFFD, so its raw bytes come from the byte-level BPE spelling."""
+        text = self.decode([tid], skip_special_tokens=False)
+        if "\ufffd" in text:
+            piece = self.id_to_token(tid) or ""
+            if piece and all(ch in _BYTE_LEVEL for ch in piece):
+                return text, [_BYTE_LEVEL[ch] for ch in piece]
+        return text, list(text.encode("utf-8", errors="replace"))
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)

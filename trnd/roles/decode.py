@@ -327,14 +327,15 @@ class DecodeServer:
         }
 
 
-def run(cfg: DecodeConfig) -> int:
+def run(cfg: DecodeConfig, reload_source=None) -> int:
     """Load, serve HTTP, wait for a prefill peer, warm up through it, READY; drain on SIGTERM."""
     from trnd.api.server import build_app
-    from trnd.daemon.lifecycle import Lifecycle, abort_requests, warm_up_loop
+    from trnd.daemon.lifecycle import Lifecycle
+    from trnd.engine.warmup import warm_up_loop
     from trnd.roles.runtime import http_server, run_async
     from trnd.roles.serve import resolve_model
 
-    with Lifecycle("decode", cfg) as life:
+    with Lifecycle("decode", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)
         name = cfg.served_model_name or model_dir.resolve().name
         life.status(f"loading {model_dir}")
@@ -354,10 +355,10 @@ def run(cfg: DecodeConfig) -> int:
         async def main() -> int:
             await server.start()
             return await life.serve(
-                http, app, banner=f"trnd: decode for {name} (point {cfg.point}, tp={cfg.tp}) on "
+                http, st, banner=f"trnd: decode for {name} (point {cfg.point}, tp={cfg.tp}) on "
                                   f"http://{cfg.host}:{cfg.port}/v1, prefill peers {', '.join(cfg.prefill)}",
                 ready_fn=lambda: server.ready, waiting=waiting, warmup=lambda: warm_up_loop(server.loop),
-                in_flight=lambda: server.loop.num_requests, abort=lambda: abort_requests(st))
+                in_flight=lambda: server.loop.num_requests, abort=st.abort_all)
 
         try:
             return run_async(main)

@@ -19,18 +19,9 @@ from pathlib import Path
 import msgspec
 
 from trnd.config import ServeConfig
-from trnd.daemon.lifecycle import die_with_parent
+from trnd.procs import EX_CONFIG, die_with_parent, free_port, is_ready
 
 log = logging.getLogger("trnd.local")
-EX_CONFIG = 78
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write(path: Path, data: dict) -> Path:
@@ -48,7 +39,7 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> tuple[Path, Pat
         secret = workdir / "control_secret"
         secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
-    control, admin = cfg.prefill_control_port or _free_port(), cfg.prefill_admin_port or _free_port()
+    control, admin = cfg.prefill_control_port or free_port(), cfg.prefill_admin_port or free_port()
     role = {"model": model, "point": cfg.point, "dtype": cfg.dtype, "backend": cfg.backend, "tp": cfg.tp,
             "kv_memory_gb": cfg.kv_memory_gb, "prefix_cache": cfg.prefix_cache, "threads": cfg.threads,
             "secret_file": str(secret), "log_level": cfg.log_level, "host_cache_gb": cfg.host_cache_gb,
@@ -64,15 +55,6 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> tuple[Path, Pat
     dec.update(model=model, secret_file=str(secret), prefill=[f"127.0.0.1:{control}"])
     decode = _write(workdir / "decode.toml", dec)
     return prefill, decode, control, admin
-
-
-def _ok(port: int, path: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=0.5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def run(cfg: ServeConfig, model: str) -> int:
@@ -121,14 +103,14 @@ def run(cfg: ServeConfig, model: str) -> int:
             if rc is not None:
                 break
             now = time.monotonic()
-            if not ready and not stopping and _ok(cfg.port, '/ready'):
+            if not ready and not stopping and is_ready(cfg.port, "/ready"):
                 ready = True
                 notify.ready(f"serving on http://{cfg.host}:{cfg.port}/v1")
-            if reloading_since is not None and now - reloading_since > 1.0 and _ok(cfg.port, '/ready'):
+            if reloading_since is not None and now - reloading_since > 1.0 and is_ready(cfg.port, "/ready"):
                 reloading_since = None
                 notify.ready("reloaded")
             if (beat and now - last_beat >= beat and all(p.poll() is None for p in procs.values())
-                    and _ok(cfg.port, "/health")):  # decode's /health: its engine loop is making progress
+                    and is_ready(cfg.port, "/health")):  # decode's /health: its engine loop is making progress
                 notify.watchdog()
                 last_beat = now
             if procs["prefill"].poll() == EX_CONFIG:  # a bad config does not get better by restarting

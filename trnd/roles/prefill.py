@@ -300,15 +300,16 @@ class PrefillServer:
         }
 
 
-def run(cfg: PrefillConfig) -> int:
+def run(cfg: PrefillConfig, reload_source=None) -> int:
     """Load, warm up, serve the control plane and the admin HTTP port, READY; drain on SIGTERM."""
-    from trnd.api.server import build_admin_app
+    from trnd.api.app import build_admin_app
     from trnd.config import ServeConfig
-    from trnd.daemon.lifecycle import Lifecycle, warm_up
+    from trnd.daemon.lifecycle import Lifecycle
+    from trnd.engine.warmup import warm_up
     from trnd.roles.runtime import http_server, run_async
     from trnd.roles.serve import resolve_model
 
-    with Lifecycle("prefill", cfg) as life:
+    with Lifecycle("prefill", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)
         name = model_dir.resolve().name
         life.status(f"loading {model_dir}")
@@ -325,7 +326,7 @@ def run(cfg: PrefillConfig) -> int:
                 ctrl = await server.serve()
                 try:
                     return await life.serve(
-                        http, admin, banner=f"trnd: prefill for {name} (point {cfg.point}, tp={cfg.tp}) on "
+                        http, admin.state.trnd, banner=f"trnd: prefill for {name} (point {cfg.point}, tp={cfg.tp}) on "
                                             f"{cfg.host}:{cfg.control_port}, admin http://{cfg.host}:{cfg.admin_port}",
                         in_flight=lambda: len(server.handoffs), on_drain=ctrl.close)
                 finally:

@@ -26,10 +26,11 @@ def resolve_model(model: str | None) -> Path:
     return Path(model)
 
 
-def run(cfg: ServeConfig) -> int:
+def run(cfg: ServeConfig, reload_source=None) -> int:
     """Load, warm up, serve until SIGTERM, drain; the daemon lifecycle is in trnd/daemon/lifecycle.py."""
     from trnd.api.server import build_app
-    from trnd.daemon.lifecycle import Lifecycle, abort_requests, warm_up
+    from trnd.daemon.lifecycle import Lifecycle
+    from trnd.engine.warmup import warm_up
     from trnd.engine.engine import Engine, EngineConfig
     from trnd.engine.loop import EngineLoop
     from trnd.roles.runtime import http_server, run_async
@@ -38,7 +39,7 @@ def run(cfg: ServeConfig) -> int:
         from trnd.roles import local
 
         return local.run(cfg, str(resolve_model(cfg.model)))
-    with Lifecycle("serve", cfg) as life:
+    with Lifecycle("serve", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)
         life.status(f"loading {model_dir}")
         engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, backend=cfg.backend,
@@ -61,8 +62,8 @@ def run(cfg: ServeConfig) -> int:
                      cfg.page_size, engine.max_model_len)
             http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s)
             return run_async(lambda: life.serve(
-                http, app, banner=f"trnd: serving {name} on http://{cfg.host}:{cfg.port}/v1",
-                in_flight=lambda: loop.num_requests, abort=lambda: abort_requests(st)))
+                http, st, banner=f"trnd: serving {name} on http://{cfg.host}:{cfg.port}/v1",
+                in_flight=lambda: loop.num_requests, abort=st.abort_all))
         finally:
             if life.loop is not None:
                 life.loop.stop()

@@ -37,6 +37,7 @@ import msgspec
 
 from trnd.cache.store_index import COMMITTED, StoreIndex
 from trnd.config import ConfigError, StoreConfig, load_config
+from trnd.procs import EX_CONFIG
 from trnd.transfer import store_protocol as S
 
 log = logging.getLogger("trnd.store")
@@ -332,6 +333,13 @@ class AdminState:
 
     def __init__(self, cfg: StoreConfig):
         self.cfg, self.ready, self.draining = cfg, False, False
+        self.auth = None
+
+    def reload(self, cfg: StoreConfig, live: list[str]):
+        """daemon/lifecycle.py Readiness.reload: the store's one live setting here is its API key."""
+        from trnd.api.auth import key_swap
+
+        return key_swap(self.auth, cfg)
 
 
 def build_admin_app(server: StoreServer, cfg: StoreConfig):
@@ -341,7 +349,7 @@ def build_admin_app(server: StoreServer, cfg: StoreConfig):
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from trnd.api.auth import APIKeyMiddleware
+    from trnd.api.auth import APIKeyMiddleware, find_api_key_middleware
 
     def js(obj, status: int = 200) -> Response:
         return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
@@ -379,6 +387,7 @@ def build_admin_app(server: StoreServer, cfg: StoreConfig):
                    Route("/admin/debug/delay", delay, methods=["POST"])]
     app = Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, api_key=cfg.resolved_api_key())])
     app.state.trnd = AdminState(cfg)
+    app.state.trnd.auth = find_api_key_middleware(app)
     return app
 
 
@@ -395,7 +404,7 @@ def run(cfg: StoreConfig, reload_source=None) -> int:
             server = StoreServer(cfg)
         except (RuntimeError, MemoryError) as e:  # the region cannot be had (or registered)
             print(f"trnd: cannot start: memory_gb = {cfg.memory_gb:g}: {e}", file=sys.stderr)
-            return 78
+            return EX_CONFIG
         try:
             life.loop = server.beat
             app = build_admin_app(server, cfg)
@@ -411,7 +420,7 @@ def run(cfg: StoreConfig, reload_source=None) -> int:
                     return 1
                 try:
                     return await life.serve(
-                        http, app, banner=f"trnd: store of {cfg.memory_gb:g} GiB on {cfg.host}:{cfg.control_port}, "
+                        http, app.state.trnd, banner=f"trnd: store of {cfg.memory_gb:g} GiB on {cfg.host}:{cfg.control_port}, "
                                           f"admin http://{cfg.host}:{cfg.admin_port}", on_drain=ctrl.close)
                 finally:
                     ctrl.close()
@@ -459,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_args(p.parse_args(argv))
     except ConfigError as e:
         print(f"trnd: config error: {e}", file=sys.stderr)
-        return 78
+        return EX_CONFIG
 
 
 if __name__ == "__main__":

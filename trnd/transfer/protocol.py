@@ -17,7 +17,7 @@ import secrets
 
 import msgspec
 
-from trnd.engine.request import SamplingParams
+from trnd.sampling_params import SamplingParams
 
 log = logging.getLogger("trnd.control")
 
