@@ -14,7 +14,8 @@ import torch
 
 from kernels import TORCH_OPS, norm
 from kernels import attention as twin_attention
-from trnd.backends import Backend, BackendUnavailable, check, get_backend
+from trnd import check
+from trnd.backends import Backend, BackendUnavailable, get_backend
 from trnd.backends import neuron as neuron_mod
 from trnd.backends.cuda import CUDABackend
 from trnd.backends.neuron import NeuronBackend
@@ -35,7 +36,7 @@ def test_unknown_backend_names_the_choices():
 
 def test_importing_trnd_touches_no_sdk_and_no_cuda():
     code = ("import sys, torch, trnd, trnd.backends, trnd.backends.cpu, trnd.backends.cuda, "
-            "trnd.backends.neuron, trnd.backends.check\n"
+            "trnd.backends.neuron, trnd.check\n"
             "loaded = [m for m in sys.modules if m.split('.')[0] in "
             "('torch_neuronx', 'nki', 'neuronxcc', 'torch_xla') or m.startswith('kernels.nki')]\n"
             "print(loaded, torch.cuda.is_initialized())")

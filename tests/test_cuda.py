@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trnd.backends import check
+from trnd import check
 from trnd.backends.cuda import CUDABackend
 
 pytestmark = [pytest.mark.cuda,

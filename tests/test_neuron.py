@@ -14,7 +14,7 @@ pytest.importorskip("torch_neuronx", reason="needs the AWS Neuron SDK's torch-ne
                     exc_type=ImportError)
 pytest.importorskip("nki", reason="needs the AWS Neuron SDK's nki (see docs/NEURON.md)", exc_type=ImportError)
 
-from trnd.backends import check  # noqa: E402
+from trnd import check  # noqa: E402
 from trnd.backends.neuron import NeuronBackend  # noqa: E402
 
 _ok, _why = NeuronBackend().available()

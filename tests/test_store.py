@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from trnd.cache.hashing import page_hashes
-from trnd.transfer import store_protocol as S
+from trnd.store import protocol as S
 from trnd.transfer.nixl import KVAgent
 from trnd.transfer.plan import Layout
-from trnd.transfer.store_client import StoreClient
+from trnd.store.client import StoreClient
 
 from .procs import admin_state, free_port, stop, wait_for, wait_ready
 
@@ -73,7 +73,7 @@ class StoreProc:
         if self.proc is not None and self.proc.stdout:
             self.proc.stdout.close()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trnd.roles.store", "--secret-file", str(self.secret_file), "--memory-gb",
+            [sys.executable, "-m", "trnd", "store", "--secret-file", str(self.secret_file), "--memory-gb",
              str(self.memory_gb), "--control-port", str(self.cp), "--admin-port", str(self.ap)],
             env={**os.environ, "TRND_STORE_DEBUG": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -122,7 +122,7 @@ CLIENT_SCRIPT = r"""
 import json, sys, torch
 from trnd.transfer.nixl import KVAgent
 from trnd.transfer.plan import Layout
-from trnd.transfer.store_client import StoreClient
+from trnd.store.client import StoreClient
 cfg = json.loads(sys.argv[1])
 L, H, PS, HD, N, tp = cfg["L"], cfg["H"], cfg["PS"], cfg["HD"], cfg["N"], cfg["tp"]
 pools = [torch.zeros(N, L, 2, H // tp, PS, HD, dtype=torch.bfloat16) for _ in range(tp)]

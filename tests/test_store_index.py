@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from trnd.cache.store_index import BUSY, COMMITTED, FULL, HAVE, StoreIndex
+from trnd.store.index import BUSY, COMMITTED, FULL, HAVE, StoreIndex
 
 
 def H(i: int) -> bytes:

@@ -89,19 +89,6 @@ def _disagg_parsers(sub) -> None:
     d.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
 
 
-def _store_parser(sub) -> None:
-    p = sub.add_parser("store", help="run an L3 remote KV store (a memory node for prefix pages)",
-                       description="Run a KV store: one DRAM region registered with NIXL, pages keyed by chained "
-                                   "page hash, read and written directly by roles on any node.")
-    p.add_argument("--config", metavar="FILE", help="TOML store config (see configs/store.toml)")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--control-port", type=int, help="control-plane TCP port (default 8300)")
-    p.add_argument("--admin-port", type=int, help="HTTP port for /health, /ready, /admin/state (default 8301)")
-    p.add_argument("--memory-gb", type=float, help="DRAM region for pages (default 4)")
-    p.add_argument("--secret-file", help="file holding the control-plane shared secret")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-
-
 def _router_parser(sub) -> None:
     p = sub.add_parser("router", help="run the OpenAI front of several decode servers (session/prefix/load routing)",
                        description="Run a router: the decode servers' OpenAI routes, each request sent to one "
@@ -182,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "kernels vs torch twins, generation vs CPU (trnd check --help)", add_help=False)
     _serve_parser(sub)
     _disagg_parsers(sub)
-    _store_parser(sub)
+    from trnd.roles.store import add_store_args
+
+    add_store_args(sub)
     _router_parser(sub)
     _model_parser(sub)
     _bench_parser(sub)
@@ -208,7 +197,7 @@ def argv_source(role: str, cls: type, argv: list[str] | None = None) -> Callable
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["check"]:  # the operator's device check: its own flags (trnd check --help)
-        from trnd.backends.check import main as check_main
+        from trnd.check import main as check_main
 
         return check_main(argv[1:])
     if argv[:1] == ["points"]:  # what each decode point needs here: its own flags (trnd points --help)

@@ -7,36 +7,9 @@ one line saying why and what to install. Each backend imports its SDK only when 
 
 from __future__ import annotations
 
-from functools import cached_property
-
-from kernels import TORCH_OPS, Ops
+from trnd.backends.base import Backend, BackendUnavailable  # noqa: F401  (the package's contract)
 
 NAMES = ("cpu", "cuda", "neuron")
-
-
-class BackendUnavailable(RuntimeError):
-    """The chosen backend cannot run on this machine; the message says what to install and from where."""
-
-
-class Backend:
-    """The torch twins on the CPU. Accelerator backends override `available` and swap kernels into `ops`."""
-
-    name = "cpu"
-    device = "cpu"  # torch device string for the weights, the KV pool and step inputs
-
-    def available(self) -> tuple[bool, str]:
-        return True, ""
-
-    def pick_dtype(self, requested: str | None) -> tuple[str | None, str]:
-        """(dtype to load, compute and keep KV in; None = the checkpoint's own, why). Accelerators
-        compute bf16 natively, so `auto` keeps the checkpoint's dtype."""
-        if requested not in (None, "auto"):
-            return requested, "requested"
-        return None, "auto: the checkpoint's dtype"
-
-    @cached_property
-    def ops(self) -> Ops:
-        return TORCH_OPS
 
 
 def resolve_dtype(requested: str | None, backend: str = "cpu") -> tuple[str | None, str]:

@@ -6,7 +6,7 @@ prepacking only where its bf16 reorder runs.
 """
 
 from kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack
-from trnd.backends import Backend
+from trnd.backends.base import Backend
 
 
 class CPUBackend(Backend):

@@ -7,7 +7,7 @@ No CUDA-specific kernels yet: `ops` is the torch twins, which dispatch to torch'
 
 from __future__ import annotations
 
-from trnd.backends import Backend
+from trnd.backends.base import Backend
 
 INSTALL = ("install a CUDA build of torch (https://pytorch.org/get-started/locally/, the same version as "
            "pyproject.toml pins) and run on a machine with an NVIDIA GPU")

@@ -15,7 +15,7 @@ from dataclasses import replace
 from functools import cached_property
 
 from kernels import TORCH_OPS, Ops
-from trnd.backends import Backend
+from trnd.backends.base import Backend
 
 # (distribution, module): what the backend needs. torch-neuronx provides the "neuron" torch device and
 # runs NKI kernels on torch tensors; neuronx-cc is the compiler; nki is the kernel language.

@@ -148,7 +148,7 @@ def start(kind: str, model: str, point: str, kv_gb: float, tmp: Path, threads: i
 def main(args) -> int:
     import torch
 
-    from trnd.roles.serve import resolve_model
+    from trnd.model.maker import resolve_model
 
     model = str(resolve_model(args.model))
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -149,7 +149,7 @@ def weight_bytes(model_dir: str, dtype: str | None = None) -> int:
 
 
 def main(args) -> int:
-    from trnd.roles.serve import resolve_model
+    from trnd.model.maker import resolve_model
 
     model = str(resolve_model(args.model))
     batches = [int(b) for b in args.batches.split(",")]

@@ -708,7 +708,7 @@ def best_of(runs: dict[str, dict[int, list[dict]]]) -> dict[str, dict[int, dict]
 def main(args) -> int:
     import torch
 
-    from trnd.roles.serve import resolve_model
+    from trnd.model.maker import resolve_model
 
     keys = [k.strip() for k in args.servers.split(",") if k.strip()]
     if bad := [k for k in keys if k not in SERVERS]:

@@ -125,7 +125,7 @@ def main(args) -> int:
     import torch
 
     from trnd.points import get_point
-    from trnd.roles.serve import resolve_model
+    from trnd.model.maker import resolve_model
 
     model = str(resolve_model(args.model))
     ps = get_point(args.point).page_size

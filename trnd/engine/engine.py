@@ -186,7 +186,7 @@ class Engine:
             host = HostTier(self.pools, slots)
         remote = None
         if cfg.store:
-            from trnd.transfer.store_client import StoreClient
+            from trnd.store.client import StoreClient
 
             if not cfg.store_secret:
                 raise ValueError("store: a remote KV store needs the control-plane secret (secret_file)")

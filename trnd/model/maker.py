@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -304,3 +305,18 @@ def tokenizer_config() -> dict:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+PRESET_NAMES = ("tiny", "small")
+log = logging.getLogger("trnd.model")
+
+
+def resolve_model(model: str | None) -> Path:
+    """A model directory, or a preset name made on first use under the cache dir (nothing can be
+    downloaded, so the embedded default is a random-weight model trnd makes itself)."""
+    if model is None or model in PRESET_NAMES:
+        preset = model or "small"
+        path = ensure_model(preset)
+        log.info("model: preset %s at %s", preset, path)
+        return path
+    return Path(model)

@@ -307,7 +307,7 @@ def run(cfg: PrefillConfig, reload_source=None) -> int:
     from trnd.daemon.lifecycle import Lifecycle
     from trnd.engine.warmup import warm_up
     from trnd.roles.runtime import http_server, run_async
-    from trnd.roles.serve import resolve_model
+    from trnd.model.maker import resolve_model
 
     with Lifecycle("prefill", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)

@@ -4,27 +4,11 @@ one process owning the model, the scheduler and the API (here)."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from trnd.config import ServeConfig
+from trnd.model.maker import resolve_model
 
 log = logging.getLogger("trnd.serve")
-
-PRESET_NAMES = ("tiny", "small")
-
-
-def resolve_model(model: str | None) -> Path:
-    """A model directory, or a preset name made on first use under the cache dir (nothing can be
-    downloaded, so the embedded default is a random-weight model trnd makes itself)."""
-    from trnd.model.maker import ensure_model
-
-    if model is None or model in PRESET_NAMES:
-        preset = model or "small"
-        path = ensure_model(preset)
-        log.info("model: preset %s at %s", preset, path)
-        return path
-    return Path(model)
-
 
 def run(cfg: ServeConfig, reload_source=None) -> int:
     """Load, warm up, serve until SIGTERM, drain; the daemon lifecycle is in trnd/daemon/lifecycle.py."""

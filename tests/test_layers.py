@@ -1,0 +1,148 @@
+"""The floors of docs/ARCHITECTURE.md, kept true: every import in trnd/ and kernels/ (at module level,
+inside functions, under `if`/`try`, TYPE_CHECKING included) goes to its own room or a lower floor, and
+the file graph has no circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest floor first. A module imports its own room (the longest prefix below that names it) or a room
+# on a lower floor; never one beside it or above it.
+FLOORS = [
+    ["kernels", "trnd.config", "trnd.points", "trnd.parallel", "trnd.log", "trnd.procs", "trnd.sampling_params",
+     "trnd.snapshot", "trnd"],
+    ["trnd.backends", "trnd.daemon", "trnd.transfer", "trnd.top"],
+    ["trnd.cache", "trnd.model", "trnd.store"],
+    ["trnd.engine"],
+    ["trnd.api", "trnd.llm"],
+    ["trnd.roles", "trnd.bench", "trnd.check"],
+    ["trnd.cli"],
+    ["trnd.__main__"],
+]
+FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+# Rooms that may import only what is named here (beyond their own room), whatever their floor says.
+ONLY = {
+    "trnd.daemon": {"trnd.config", "trnd.log"},
+    "trnd.top": {"trnd.snapshot"},
+    "trnd.backends": {"kernels"},
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted([*ROOT.glob("trnd/**/*.py"), *ROOT.glob("kernels/**/*.py")]):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = modules()
+
+
+def _module_of(name: str) -> str | None:
+    """The file an import name lands in (`trnd.engine.request.Req` -> trnd.engine.request)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(mod: str, path: Path) -> list[tuple[int, str]]:
+    """(line, module file) for every trnd/kernels import anywhere in the file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join([*pkg, base] if base else pkg)
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            target = _module_of(name)
+            if target is not None:
+                out.append((node.lineno, target))
+    return out
+
+
+def room(mod: str) -> str:
+    parts = mod.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in FLOOR:
+            return ".".join(parts[:n])
+    raise AssertionError(f"{mod}: in no room of FLOORS (add it to tests/test_layers.py and docs/ARCHITECTURE.md)")
+
+
+def breaks(src: str, dst: str) -> str | None:
+    a, b = room(src), room(dst)
+    if a == b:
+        return None
+    if a in ONLY and b not in ONLY[a]:
+        return f"{a} imports only {', '.join(sorted(ONLY[a]))}"
+    if FLOOR[b] >= FLOOR[a]:
+        return f"{b} is on floor {FLOOR[b]}, {a} on floor {FLOOR[a]}"
+    return None
+
+
+def test_every_module_has_a_room():
+    for mod in MODULES:
+        room(mod)
+
+
+def test_no_import_runs_across_or_up_the_floors():
+    bad = [f"{MODULES[m].relative_to(ROOT)}:{line} imports {t}: {why}"
+           for m, p in MODULES.items() for line, t in imports(m, p) if (why := breaks(m, t))]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_circle_between_files():
+    graph = {m: sorted({t for _, t in imports(m, p) if t != m}) for m, p in MODULES.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in graph[m]:
+            if state.get(t) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*stack[stack.index(t):], t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m)
+
+
+@pytest.mark.parametrize("src,dst,ok", [
+    ("trnd.engine.engine", "trnd.api.server", False),  # up
+    ("trnd.roles.decode", "trnd.bench.tiers", False),  # across
+    ("trnd.daemon.lifecycle", "trnd.engine.loop", False),  # below, but the daemon imports only config and log
+    ("trnd.top.model", "trnd.snapshot", True),
+    ("trnd.engine.scheduler", "trnd.cache.radix", True),
+    ("trnd.engine.scheduler", "trnd.engine.parked", True),
+])
+def test_the_rule_itself(src, dst, ok):
+    assert (breaks(src, dst) is None) == ok
+
+
+def test_the_walk_sees_imports_inside_functions(tmp_path):
+    f = ROOT / "trnd" / "engine" / "scheduler.py"
+    found = {t for _, t in imports("trnd.engine.scheduler", f)}
+    assert "trnd.cache.radix" in found
+    src = "def f():\n    if True:\n        from trnd.cli import main\n"
+    p = tmp_path / "x.py"
+    p.write_text(src)
+    assert [t for _, t in imports("trnd.engine.x", p)] == ["trnd.cli"]
