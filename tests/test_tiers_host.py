@@ -122,7 +122,7 @@ def test_decode_keeps_stepping_while_a_request_waits_for_host_pages(tiny_qwen3):
     for _ in range(12):
         for out in e.step():
             got[out.rid] += out.token_ids
-    assert revisit.rid in e.scheduler.loading and e.scheduler.loading[revisit.rid].tier == "host"
+    assert revisit.rid in e.scheduler.parked and e.scheduler.parked[revisit.rid].tier == "host"
     assert len(got[runner.rid]) >= 10 and got[revisit.rid] == []
     gate.set()
     while revisit.status.name != "FINISHED" or runner.status.name != "FINISHED":
@@ -168,6 +168,7 @@ def test_decode_role_admission_loads_host_pages_before_asking_prefill():
     from trnd.cache.pages import PagePool
     from trnd.cache.radix import RadixCache
     from trnd.cache.tiers import Tiers
+    from trnd.engine.parked import Parked
     from trnd.engine.request import Req
     from trnd.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -176,8 +177,20 @@ def test_decode_role_admission_loads_host_pages_before_asking_prefill():
     pool = PagePool(16)
     radix = RadixCache(pool, ps)
     tiers = Tiers(radix, pool, ps, "ns", HostTier([kv], 8))
-    s = Scheduler(SchedulerConfig(page_size=ps, token_budget=64, chunk_size=64), pool, radix, remote_prefill=True)
+    s = Scheduler(SchedulerConfig(page_size=ps, token_budget=64, chunk_size=64), pool, radix)
     s.tiers = tiers
+    asked = []
+
+    class FromPeer(Parked):
+        phase = "waiting_for_kv"
+
+        def done(self):
+            return False
+
+    def ask_peer(req):
+        asked.append(req)
+        return FromPeer(req)
+    s.peer = ask_peer
     prompt = list(range(100, 114))  # 14 tokens: 3 full pages of history (the last token is never matched)
     kv[13:16] = torch.arange(3.0)[:, None] + 1  # a former request's pages, written down to L2 ...
     tiers.host.put(tiers.hashes(prompt[:-1]), [13, 14, 15])
@@ -185,10 +198,10 @@ def test_decode_role_admission_loads_host_pages_before_asking_prefill():
     r = Req(prompt, GREEDY)
     s.add(r)
     b = s.schedule()
-    assert not b.remote and r.rid in s.loading  # parked on the copy, not sent to prefill yet
-    s.loading[r.rid].fut.result(5)
+    assert not asked and s.parked[r.rid].tier == "host"  # parked on the copy, not sent to prefill yet
+    s.parked[r.rid].fut.result(5)
     b = s.schedule()
-    assert b.remote == [r] and r.rid in s.transferring
+    assert asked == [r] and isinstance(s.parked[r.rid], FromPeer) and b.empty
     assert r.num_cached == 12 and len(r.pages) == 4  # 3 pages loaded + 1 page for the prefill peer to write
     assert [kv[p, 0].item() for p in r.pages[:3]] == [1.0, 2.0, 3.0]
     tiers.close()

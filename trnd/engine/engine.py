@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,14 +16,16 @@ import torch
 from trnd.cache.budget import NodeBudget
 from trnd.cache.host import HostTier
 from trnd.cache.pages import PagePool
-from trnd.cache.radix import RadixCache, check_pool_integrity
+from trnd.cache.radix import RadixCache
 from trnd.cache.tiers import Tiers
 from trnd.engine.output import OutputStream, StepOutput
-from trnd.engine.request import Req, SamplingParams, Status
+from trnd.engine.request import Req, SamplingParams
 from trnd.backends import get_backend, resolve_dtype
 from trnd.backends.cpu import cpu_paths, describe
 from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes, prepare
 from trnd.engine.sampler import SampleOut, Sampler
+from trnd.engine import state
+from trnd.engine.parked import Parked
 from trnd.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from trnd.model.config import ModelConfig, fingerprint
 from trnd.model.loader import load_model
@@ -48,7 +51,6 @@ class EngineConfig:
     seed: int | None = None  # for unseeded sampling (tests)
     threads: int | None = None
     tp: int = 1  # tensor-parallel ranks (processes) for this engine
-    remote_prefill: bool = False  # decode role: new prompts' KV comes from a prefill server
     host_cache_gb: float = 0.0  # L2 host-DRAM tier for evicted prefix pages; 0: off
     host_policy: str = "write-back"  # or write-through
     node_host_memory_gb: float | None = None  # node-wide budget shared with other trnd processes; None: no check
@@ -118,15 +120,15 @@ class Engine:
         self.scratch_page = self.pool.alloc(1)[0] if cfg.static else None
         self.radix = RadixCache(self.pool, cfg.page_size, namespace=self.namespace)
         self.scheduler = Scheduler(SchedulerConfig(cfg.page_size, cfg.max_batch, cfg.token_budget, cfg.chunk_size,
-                                                   cfg.prefix_cache), self.pool, self.radix, cfg.remote_prefill)
+                                                   cfg.prefix_cache), self.pool, self.radix)
         # Roles hook in here: called after each forward, before sampling and finishing (prefill ships
         # the pages a chunk completed while the next chunk computes: roles/prefill.py).
         self.on_forward: Callable[[Batch], None] | None = None
-        # Called with each step's batch after scheduling (decode sends newly admitted requests to prefill).
-        self.on_schedule: Callable[[Batch], None] | None = None
-        self.on_abort_transferring: Callable[[Req], None] | None = None
-        # Extra page owners for integrity checks (pages fenced or in flight, held by a role).
-        self.extra_owners: Callable[[], list[list[int]]] = lambda: []
+        # Pages a role keeps beyond any request: a NIXL write still reading them (prefill), a peer's
+        # write that may still land (decode's quarantine). One pool reference each (hold/drop).
+        self.held: Counter[int] = Counter()
+        self.failures: list[tuple[str, BaseException]] = []  # requests whose KV source gave up (EngineLoop fails them)
+        self.integrity: dict | None = None  # the last idle-time check (engine/state.py)
         if cfg.static:
             from trnd.engine.static import StaticRunner, resolve_point
 
@@ -218,18 +220,25 @@ class Engine:
         self.stats.prompt_tokens += req.num_prompt
         return req
 
+    def take_prompt_kv_from(self, start: Callable[[Req], Parked]) -> None:
+        """Disaggregated decode: a new request's prompt KV comes from `start(req)` (roles/decode.py: a
+        prefill peer), parked in the scheduler like a tier load (engine/parked.py)."""
+        self.scheduler.peer = start
+
+    def hold(self, pages: list[int]) -> None:
+        self.pool.ref(pages)
+        self.held.update(pages)
+
+    def drop(self, pages: list[int]) -> None:
+        self.held.subtract(pages)
+        self.held += Counter()  # drop the zeros
+        self.pool.unref(pages)
+
     def abort(self, rid: str) -> StepOutput | None:
         req = self.scheduler.find(rid)
         if req is None:
             return None
-        if rid in self.scheduler.transferring and self.on_abort_transferring:
-            # A prefill server may still write into its pages: the role fences them until it knows no
-            # write can land, then calls release_fenced().
-            del self.scheduler.transferring[rid]
-            req.status, req.finish_reason = Status.FINISHED, "abort"
-            self.on_abort_transferring(req)
-        else:
-            self.scheduler.finish(req, "abort")
+        self.scheduler.finish(req, "abort")  # a parked request keeps its pages until its source is done
         self.stats.aborted += 1
         return self.streams.pop(rid).finish(req)
 
@@ -243,11 +252,13 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
-        if self.on_schedule and batch.remote:
-            self.on_schedule(batch)
-        self.idle_step = batch.empty
+        arrived = [self._landed(req, got) for req, got in batch.arrived]
+        for req, error in batch.failed:
+            self.streams.pop(req.rid, None)
+            self.failures.append((req.rid, error))
+        self.idle_step = batch.empty and not arrived and not batch.failed
         if batch.empty:
-            return []
+            return arrived
         inputs, sampled = prepare(batch, self.cfg.page_size)
         if self.workers:
             self.workers.step(inputs)
@@ -258,7 +269,12 @@ class Engine:
         self.stats.steps += 1
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.last_step_tokens = batch.num_tokens
-        return outs
+        return arrived + outs
+
+    def _landed(self, req: Req, got) -> StepOutput:
+        """A peer wrote the prompt's KV and sampled its first token: stream it, decode the rest here."""
+        self.stats.prefill_tokens += got.computed_tokens
+        return self.deliver(req, got.first)
 
     def postprocess(self, batch, logits: torch.Tensor, sampled: list[Req]) -> list[StepOutput]:
         for req in batch.decode:
@@ -309,9 +325,6 @@ class Engine:
         self.tiers.poll()
         return self.tiers.busy
 
-    def release_fenced(self, req: Req) -> None:
-        self.scheduler._release(req)
-
     def close(self) -> None:
         if self.tiers is not None:
             self.tiers.close()
@@ -319,63 +332,14 @@ class Engine:
             self.workers.close()
             self.workers = None
 
-    # -- inspection ---------------------------------------------------------------------------------
+    # -- inspection (engine/state.py) -------------------------------------------------------------------
 
     def check_integrity(self) -> dict:
-        # Tree invariants here; exact refcounts (requests, tier transfers, fences) in the pool check.
-        self.radix.check_integrity(strict=False)
-        return check_pool_integrity(self.pool, self.radix, self._owner_lists())
+        return state.check_integrity(self)
 
-    def _owner_lists(self) -> list[list[int]]:
-        sched = self.scheduler
-        owners = [r.pages for r in (*sched.running, *sched.transferring.values())]
-        owners += [j.req.pages for j in sched.loading.values() if not j.aborted]
-        owners += [j.pages for j in sched.loading.values()]
-        if self.tiers is not None:
-            owners += self.tiers.held_pages()
-        if self.scratch_page is not None:
-            owners.append([self.scratch_page])
-        return owners + self.extra_owners()
+    def check_when_idle(self) -> None:
+        state.check_when_idle(self)
 
     def state(self) -> dict:
-        """The /admin/state engine snapshot (schema in docs/API.md)."""
-        now = time.monotonic()
-        sched = self.scheduler
-
-        def req_state(r: Req) -> dict:
-            if r.rid in sched.loading:
-                phase = "loading_kv"  # parked on a host (L2) copy or a remote (L3) read
-            elif r.status is Status.WAITING:
-                phase = "waiting"
-            elif r.rid in sched.transferring:
-                phase = "waiting_for_kv"
-            elif r.is_prefilling:
-                phase = "prefilling"
-            else:
-                phase = "decoding"
-            dt = (r.last_token_time or now) - (r.first_token_time or now)
-            return {"id": r.rid, "session_id": r.session_id, "state": phase, "prompt_tokens": r.num_prompt,
-                    "cached_tokens": r.num_cached, "computed_tokens": r.num_computed,
-                    "generated_tokens": r.num_output, "max_tokens": r.params.max_tokens, "pages": len(r.pages),
-                    "tokens_per_s": round((r.num_output - 1) / dt, 2) if dt > 0 and r.num_output > 1 else None,
-                    "age_s": round(now - r.arrival, 3), "preemptions": r.num_preemptions}
-
-        held = {p for pages in self._owner_lists() for p in pages}
-        in_use = len(held)
-        cached_only = self.radix.num_cached_pages - len(held & set(self.radix.all_pages()))
-        st = self.stats
-        return {
-            "running": [req_state(r) for r in (*sched.running, *sched.transferring.values())],
-            "waiting": [req_state(r) for r in (*sched.waiting, *(j.req for j in sched.loading.values()
-                                                                  if not j.aborted))],
-            "pages": {"total": self.pool.num_pages, "free": self.pool.num_free, "in_use": in_use,
-                      "cached": cached_only, "page_size": self.cfg.page_size,
-                      "page_bytes": self.runner.page_bytes},
-            "radix": self.radix.stats(),
-            "tiers": self.tiers.stats() if self.tiers is not None else None,
-            "stats": dataclasses.asdict(st),
-            "layout": {"tp": self.tp.size, "kv_heads_per_rank": self.runner.num_kv_heads,
-                       "ranks": self.workers.health() if self.workers else [{"rank": 0, "alive": True}]},
-            "limits": {"max_model_len": self.max_model_len, "max_batch": self.cfg.max_batch,
-                       "token_budget": self.cfg.token_budget, "chunk_size": self.cfg.chunk_size},
-        }
+        """The /admin/state engine snapshot (trnd/snapshot.py)."""
+        return state.engine_state(self)

@@ -135,6 +135,7 @@ class EngineLoop:
             loop.call_soon_threadsafe(q.put_nowait, out)
 
     def _run(self) -> None:
+        checked = False  # the integrity check ran since the loop last had work
         try:
             while not self._stop.is_set():
                 self.last_progress = time.monotonic()
@@ -146,13 +147,20 @@ class EngineLoop:
                 busy = self.engine.poll()
                 busy = (self.poll() if self.poll else False) or busy
                 if not self.engine.has_work:
+                    if not busy and not checked:  # gone idle: check the page pool (engine/state.py)
+                        self.engine.check_when_idle()
+                        checked = True
                     self._wake.wait(0.001 if busy else 0.25)  # transfers in flight: poll every ms
                     self._wake.clear()
                     continue
+                checked = False
                 if self.stall_s:
                     time.sleep(self.stall_s)
                 for out in self.engine.step():
                     self._deliver(out)
+                while self.engine.failures:  # a request's KV source gave up: its stream ends with the error
+                    rid, error = self.engine.failures.pop()
+                    self.fail(rid, error)
                 if self.engine.idle_step:  # only parked work (remote loads): poll gently, don't spin
                     self._wake.wait(0.0005)
                     self._wake.clear()

@@ -43,6 +43,7 @@ class Req:
         self.num_loaded = 0  # of num_cached: tokens loaded from a lower tier (host L2, remote L3)
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.handoffs = 0  # times its prompt KV was asked of a prefill peer (decode: retries on a lost peer)
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

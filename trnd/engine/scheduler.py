@@ -9,12 +9,13 @@ No torch here: the scheduler decides, the runner computes.
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trnd.cache.pages import PagePool
 from trnd.cache.radix import RadixCache
+from trnd.engine.parked import Landing, Parked, TierLoad, ask_remote, load_host
 from trnd.engine.request import Req, Status
 
 
@@ -32,7 +33,8 @@ class Batch:
     decode: list[Req] = field(default_factory=list)  # one token each
     prefill: list[tuple[Req, int]] = field(default_factory=list)  # (request, tokens this step)
     preempted: list[Req] = field(default_factory=list)
-    remote: list[Req] = field(default_factory=list)  # admitted with pages reserved; KV comes from a prefill peer
+    arrived: list[tuple[Req, Landing]] = field(default_factory=list)  # a peer's KV and first token are in
+    failed: list[tuple[Req, BaseException]] = field(default_factory=list)  # its source gave up: out of the engine
 
     @property
     def empty(self) -> bool:
@@ -43,30 +45,17 @@ class Batch:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
 
-@dataclass
-class TierLoad:
-    """A request parked while a lower tier brings the pages after its device hit: host L2 (a copy on the
-    load thread) or the remote store L3 (a lookup, then a read). The batch keeps stepping meanwhile."""
-    req: Req
-    hashes: list[bytes]
-    fut: concurrent.futures.Future
-    pages: list[int] = field(default_factory=list)  # allocated for the copy, owned here until it resolves
-    tier: str = "remote"  # "host" or "remote"
-    aborted: bool = False
-
-
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: PagePool, radix: RadixCache, remote_prefill: bool = False):
+    def __init__(self, cfg: SchedulerConfig, pool: PagePool, radix: RadixCache):
         self.cfg, self.pool, self.radix = cfg, pool, radix
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        # Disaggregated decode: a new request's prompt KV is written into pages reserved here by a
-        # prefill server; it waits in `transferring` until that KV has landed (see roles/decode.py).
-        # Preempted requests (which already have output) are recomputed locally as usual.
-        self.remote_prefill = remote_prefill
-        self.transferring: dict[str, Req] = {}
         self.tiers = None  # cache/tiers.py: lower tiers asked for the pages after a device hit
-        self.loading: dict[str, TierLoad] = {}  # parked on a host (L2) copy or a remote (L3) lookup/read
+        # Disaggregated decode: where a new request's prompt KV comes from (roles/decode.py: a prefill
+        # peer writes it into the pages reserved here). Preempted requests (which already have output)
+        # are recomputed locally as usual.
+        self.peer: Callable[[Req], Parked] | None = None
+        self.parked: dict[str, Parked] = {}  # every request whose KV comes from elsewhere (engine/parked.py)
         self._probed: set[str] = set()  # asked L3 once already (a miss is not asked again)
         self._locks: dict[str, object] = {}  # rid -> radix node locked for its borrowed prefix
 
@@ -78,44 +67,42 @@ class Scheduler:
 
     def finish(self, req: Req, reason: str) -> None:
         """Done (eos/length/stop/abort): its full pages go to the prefix cache, the rest are freed.
-        A request still `transferring` must be fenced by the caller first (remote writes may land)."""
+        A parked request keeps its pages until its source is done (a write may still land in them)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.transferring.pop(req.rid, None)
         self._probed.discard(req.rid)
-        job = self.loading.get(req.rid)
-        if job is not None:  # a remote read may still write into its pages: released when it resolves
-            job.aborted = True
+        job = self.parked.get(req.rid)
+        if job is not None:
+            job.abort()
         else:
             self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
     def find(self, rid: str) -> Req | None:
-        if rid in self.transferring:
-            return self.transferring[rid]
-        if rid in self.loading and not self.loading[rid].aborted:
-            return self.loading[rid].req
+        job = self.parked.get(rid)
+        if job is not None:
+            return None if job.aborted else job.req
         return next((r for r in (*self.running, *self.waiting) if r.rid == rid), None)
-
-    def kv_arrived(self, req: Req) -> None:
-        """The prompt's KV is in req.pages: it joins the running batch as a decode."""
-        del self.transferring[req.rid]
-        req.num_computed = req.num_prompt
-        req.status = Status.RUNNING
-        self.running.append(req)
 
     @property
     def has_work(self) -> bool:
-        """Anything to schedule: queued, running, or parked on a remote load (whose progress is checked
-        by schedule()). Transferring requests wait on a prefill server: their role polls for them."""
-        return bool(self.waiting or self.running or self.loading)
+        """Anything to schedule: queued, running, or parked (whose progress schedule() checks)."""
+        return bool(self.waiting or self.running or self.parked)
 
     @property
     def num_active(self) -> int:
-        return len(self.running) + len(self.transferring) + len(self.loading)
+        return len(self.running) + len(self.parked)
+
+    def owner_lists(self) -> list[list[int]]:
+        """Every page list a request or a parked job holds a reference on (the pool integrity check)."""
+        owners = [r.pages for r in self.running]
+        for job in self.parked.values():
+            owners.append(job.req.pages)
+            owners += job.held_pages()
+        return owners
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -124,8 +111,8 @@ class Scheduler:
         budget = self.cfg.token_budget
         if self.tiers is not None:
             self.tiers.poll()
-            if self.loading:
-                self._advance_loads()
+        if self.parked:
+            self._advance_parked(batch)
         for req in list(self.running):
             if req not in self.running:  # preempted earlier in this loop to make room
                 continue
@@ -150,8 +137,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 req.status = Status.RUNNING
-                self.transferring[req.rid] = req
-                batch.remote.append(req)
+                self.parked[req.rid] = self.peer(req)
                 continue
             admitted = self._admit(req, budget)
             if admitted is None:  # parked on a lower tier
@@ -203,7 +189,8 @@ class Scheduler:
                 req.pages = list(m.pages)
                 req.num_locked_pages = len(m.pages)
             req.num_cached = req.num_computed = m.num_tokens
-            if self.tiers is not None and (self._load_host(req) or (not whole and self._ask_remote(req))):
+            if self.tiers is not None and (self._park(load_host(req, self.tiers, self.pool, self._reserve))
+                                           or (not whole and self._ask_remote(req))):
                 return None
         need = self._pages_needed(req, req.num_uncomputed if whole else self._chunk(req, budget))
         if self._reserve(need):
@@ -212,61 +199,56 @@ class Scheduler:
         self._release(req)  # give back what the match borrowed; try again next step
         return False
 
-    def _load_host(self, req: Req) -> bool:
-        """Park the request while the host tier copies the pages after its device hit (instead of
-        recomputing them); the batch keeps stepping."""
-        hashes = self.tiers.hashes(req.all_ids[:-1])[len(req.pages):]
-        k = self.tiers.host_probe(hashes)
-        if not k or not self._reserve(k):
-            return False
-        pages = self.pool.alloc(k)
-        self.loading[req.rid] = TierLoad(req, hashes, self.tiers.host_load(hashes[:k], pages), pages, tier="host")
-        return True
+    def _park(self, job: Parked | None) -> bool:
+        if job is not None:
+            self.parked[job.req.rid] = job
+        return job is not None
 
     def _ask_remote(self, req: Req) -> bool:
-        """Park the request while L3 is asked for the full pages after its local hits."""
+        """Ask L3 once per request (a miss is not asked again)."""
         if self.tiers.remote is None or req.rid in self._probed:
             return False
         self._probed.add(req.rid)
-        hashes = self.tiers.hashes(req.all_ids[:-1])[len(req.pages):]
-        if not hashes:
-            return False
-        self.loading[req.rid] = TierLoad(req, hashes, self.tiers.remote_lookup(hashes))
-        return True
+        return self._park(ask_remote(req, self.tiers, self.pool, self._reserve))
 
-    def _advance_loads(self) -> None:
-        """Host copy done -> take the pages, then ask L3 for what follows. Remote lookup done -> allocate
-        and read; read done -> take the pages. Then the request goes back to the queue's front with
-        whatever arrived (a miss, a dead or slow store: simply less cached)."""
-        for rid, job in list(self.loading.items()):
-            if not job.fut.done():
+    def _advance_parked(self, batch: Batch) -> None:
+        """Every parked request whose source is done: take what arrived, then back to the queue's front
+        (a tier load: ask L3 next, or compute the rest), into the decode batch (a peer's KV and first
+        token), back to the queue with nothing (retry), or out with an error."""
+        for rid, job in list(self.parked.items()):
+            if not job.done():
                 continue
-            n = job.fut.result() if job.fut.exception() is None else 0
-            if job.tier == "remote" and not job.pages and not job.aborted and n > 0 and self._reserve(n):
-                job.pages = self.pool.alloc(n)
-                job.fut = self.tiers.remote_read(job.hashes[:n], job.pages)
-                continue
-            del self.loading[rid]
-            req = job.req
-            loaded = 0 if job.aborted or not job.pages else n
-            if job.tier == "host":
-                self.pool.unref(job.pages[loaded:])
-            elif job.pages:
-                self.tiers.settle_read(job.pages, loaded)
-            req.pages += job.pages[:loaded]
-            req.num_cached = req.num_computed = req.num_computed + loaded * self.cfg.page_size
-            req.num_loaded += loaded * self.cfg.page_size
+            del self.parked[rid]
+            req, got = job.req, job.result()
+            req.pages += got.pages
+            req.num_cached = req.num_computed = req.num_computed + len(got.pages) * self.cfg.page_size
+            req.num_loaded += len(got.pages) * self.cfg.page_size
             if job.aborted:
                 self._release(req)
-                continue
-            if job.tier == "host" and not self._kv_from_peer(req) and self._ask_remote(req):
+            elif got.error is not None:
+                self._release(req)
+                req.status, req.finish_reason = Status.FINISHED, "error"
+                batch.failed.append((req, got.error))
+            elif got.retry:
+                self._release(req)
+                req.num_cached = 0
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
+            elif got.first is not None:
+                req.num_computed = req.num_prompt
+                req.status = Status.RUNNING
+                self.running.append(req)
+                batch.arrived.append((req, got))
+            elif isinstance(job, TierLoad) and job.tier == "host" and not self._kv_from_peer(req) \
+                    and self._ask_remote(req):
                 continue  # parked again, now on L3 for the pages after these
-            req.status = Status.WAITING
-            self.waiting.appendleft(req)
+            else:
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
 
     def _kv_from_peer(self, req: Req) -> bool:
         """Disaggregated decode: a new request's prompt KV comes from a prefill server, not from here."""
-        return self.remote_prefill and req.num_output == 0
+        return self.peer is not None and req.num_output == 0
 
     def preempt(self, req: Req) -> None:
         """Recompute later: release the KV (to the cache, where it may still be found) and requeue first."""

@@ -16,7 +16,7 @@ from trnd.transfer.protocol import Manifest
 log = logging.getLogger("trnd.role")
 
 
-def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None, remote_prefill: bool = False,
+def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
                  max_model_len: int | None = None) -> tuple[Engine, DecodePoint]:
     """The engine of a disaggregated role (cfg: PrefillConfig or DecodeConfig), shaped by its point:
     page size, max context, max batch and prefill chunk come from the point, the pool from the
@@ -41,7 +41,7 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None, remot
                                  max_model_len=max_model_len or point.max_context, max_batch=point.max_batch,
                                  token_budget=point.prefill_chunk, chunk_size=point.prefill_chunk,
                                  prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp,
-                                 remote_prefill=remote_prefill, host_cache_gb=cfg.host_cache_gb,
+                                 host_cache_gb=cfg.host_cache_gb,
                                  host_policy=cfg.host_policy, node_host_memory_gb=cfg.node_host_memory_gb,
                                  store=list(cfg.store), store_secret=secret, store_on_finish=cfg.store_on_finish,
                                  store_deadline_s=cfg.store_deadline_s, role=role))

@@ -13,15 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from trnd.config import DecodeConfig
 from trnd.engine.loop import EngineLoop, Unavailable
-from trnd.engine.request import Req, Status
+from trnd.engine.parked import Landing, Parked
+from trnd.engine.request import Req
 from trnd.engine.sampler import SampleOut
-from trnd.engine.scheduler import Batch
-from trnd.roles.common import build_engine, layout_of, manifest
+from trnd.roles.common import build_engine, manifest
 from trnd.transfer import protocol as P
+from trnd.transfer.handoff import Awaited
 
 log = logging.getLogger("trnd.decode")
 
@@ -33,7 +34,6 @@ class PrefillPeer:
     agent_name: str | None = None
     manifest: P.Manifest | None = None
     healthy: bool = False
-    outstanding: set[str] = field(default_factory=set)
     load: int = 0
     last_seen: float = 0.0
     refused: str | None = None  # why the last handshake was refused
@@ -41,34 +41,40 @@ class PrefillPeer:
     connects: int = 0
 
 
-@dataclass
-class Pending:
-    req: Req
-    peer: PrefillPeer
-    notifs: int = 0
-    done: P.KVDone | None = None
-    fenced: bool = False
-    retries: int = 0
-    sent_at: float = field(default_factory=time.monotonic)
+class FromPrefill(Parked):
+    """A request parked in the scheduler while a prefill peer writes its prompt's KV (engine/parked.py).
+    Its books are in the decode server's `Awaited` ledger (transfer/handoff.py), keyed by rid."""
+    phase = "waiting_for_kv"
+
+    def __init__(self, server: "DecodeServer", req: Req, error: BaseException | None = None):
+        super().__init__(req)
+        self.server, self.error = server, error
+
+    def done(self) -> bool:
+        return self.error is not None or self.server.awaited.ended(self.req.rid)
+
+    def abort(self) -> None:
+        super().abort()
+        if self.error is None:
+            self.server.fence(self.req.rid)
+
+    def result(self) -> Landing:
+        return self.server.landing(self, self.server.awaited.forget(self.req.rid))
 
 
 class DecodeServer:
     def __init__(self, cfg: DecodeConfig, model_dir, model_name: str):
         self.cfg = cfg
         self.secret = cfg.resolved_secret()
-        self.engine, self.point = build_engine(model_dir, cfg, role="decode", secret=self.secret, remote_prefill=True,
+        self.engine, self.point = build_engine(model_dir, cfg, role="decode", secret=self.secret,
                                                max_model_len=cfg.max_model_len)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "decode", model_name)
-        self.layout = layout_of(self.engine)
         self.agent = self.engine.kv_agent()
-        self.engine.on_schedule = self._dispatch
-        self.engine.on_abort_transferring = self._fence
-        self.engine.extra_owners = self._fenced_pages
+        self.engine.take_prompt_kv_from(self.ask_peer)
         self.loop = EngineLoop(self.engine, cfg.max_requests, poll=self._poll)
         self.peers = [PrefillPeer(a) for a in cfg.prefill]
-        self.pending: dict[str, Pending] = {}
-        self.quarantine: list[tuple[float, list[int]]] = []  # (until, pages) after a lost peer
+        self.awaited = Awaited()  # every request a peer is writing KV for (transfer/handoff.py)
         self.aio: asyncio.AbstractEventLoop | None = None
         self.stats = {"handoffs": 0, "retried": 0, "failed": 0, "fenced": 0, "kv_pages_received": 0}
 
@@ -140,11 +146,11 @@ class DecodeServer:
                 msg = await asyncio.wait_for(chan.recv(), self.cfg.peer_timeout_s)
                 peer.last_seen = time.monotonic()
                 if isinstance(msg, P.KVDone):
-                    self.loop.call(lambda m=msg: self._kv_done(m))
+                    self.loop.call(lambda m=msg: self.awaited.kv_done(m.rid, m))
                 elif isinstance(msg, P.Aborted):
-                    self.loop.call(lambda m=msg: self._aborted(m.rid))
+                    self.loop.call(lambda m=msg: self.awaited.aborted(m.rid))
                 elif isinstance(msg, P.PrefillFailed):
-                    self.loop.call(lambda m=msg: self._prefill_failed(peer, m))
+                    self.loop.call(lambda m=msg: self.awaited.failed(m.rid, m.reason))
                 elif isinstance(msg, P.Pong):
                     peer.load = msg.load
                 else:
@@ -177,135 +183,74 @@ class DecodeServer:
         except (ConnectionError, OSError) as e:
             log.warning("send to %s failed: %s", chan.name, e)
 
-    # -- engine thread ------------------------------------------------------------------------------
+    # -- engine thread: the scheduler's "KV from a peer" source --------------------------------------
 
     def _pick(self) -> PrefillPeer | None:
         live = [p for p in self.peers if p.healthy]
-        return min(live, key=lambda p: (len(p.outstanding), p.load)) if live else None
+        return min(live, key=lambda p: (self.awaited.outstanding(p.addr), p.load)) if live else None
 
-    def _dispatch(self, batch: Batch) -> None:
-        for req in batch.remote:
-            self._send_prefill(req, retries=0)
+    def _peer(self, addr: str) -> PrefillPeer | None:
+        return next((p for p in self.peers if p.addr == addr), None)
 
-    def _send_prefill(self, req: Req, retries: int) -> None:
+    def ask_peer(self, req: Req) -> FromPrefill:
+        """Admitted with every prompt page reserved (after this server's own prefix match: those pages
+        are not sent): ask the least-loaded healthy peer for the rest."""
         peer = self._pick()
         if peer is None:
             reasons = "; ".join(f"{p.addr}: {p.refused or p.error or 'connecting'}" for p in self.peers)
-            self._fail(req, Unavailable(f"no prefill server available ({reasons})"))
-            return
+            return FromPrefill(self, req, Unavailable(f"no prefill server available ({reasons})"))
         skip = req.num_cached // self.point.page_size
-        self.pending[req.rid] = Pending(req, peer, retries=retries)
-        peer.outstanding.add(req.rid)
+        req.handoffs += 1
+        self.awaited.expect(req.rid, peer.addr, req.pages[skip:], time.monotonic())
         self.stats["handoffs"] += 1
         self._send(peer, P.PrefillReq(req.rid, req.prompt_ids, req.params, skip, req.pages[skip:]))
+        return FromPrefill(self, req)
+
+    def landing(self, job: FromPrefill, a) -> Landing:
+        """What the scheduler does with a request whose peer is done with it."""
+        req = job.req
+        if job.error is not None:
+            return Landing(error=job.error)
+        if a is None or job.aborted or a.over == "aborted":
+            return Landing()  # released by the scheduler: nothing can land any more
+        if a.over is None:
+            m = a.done
+            self.stats["kv_pages_received"] += len(a.target)
+            return Landing(first=SampleOut(m.token, m.logprob, m.top_logprobs), computed_tokens=m.computed_tokens)
+        if a.over == "lost":  # its target pages are in quarantine (held); retry elsewhere or fail
+            if req.handoffs <= self.cfg.prefill_retries and self._pick() is not None:
+                self.stats["retried"] += 1
+                return Landing(retry=True)
+            self.stats["failed"] += 1
+            return Landing(error=Unavailable(f"prefill server {a.peer} was lost during the request"))
+        self.stats["failed"] += 1
+        return Landing(error=Unavailable(f"prefill failed: {a.reason}"))
+
+    def fence(self, rid: str) -> None:
+        """Engine abort of a parked request: keep its pages until the peer confirms nothing is in flight."""
+        a = self.awaited.entries.get(rid)
+        peer = self._peer(a.peer) if a is not None else None
+        if self.awaited.fence(rid, connected=peer is not None and peer.chan is not None):
+            self.stats["fenced"] += 1
+            self._send(peer, P.Abort(rid))
 
     def _poll(self) -> bool:
         for _agent, msgs in self.agent.notifs().items():
             for m in msgs:
                 rid, _, _ = m.decode(errors="replace").rpartition("|")
-                p = self.pending.get(rid)
-                if p is not None:
-                    p.notifs += 1
-                    self._check_ready(p)
-        if self.quarantine:
-            now = time.monotonic()
-            keep = []
-            for until, pages in self.quarantine:
-                if until <= now:
-                    self.engine.pool.unref(pages)
-                else:
-                    keep.append((until, pages))
-            self.quarantine = keep
-        return bool(self.pending)
-
-    def _kv_done(self, m: P.KVDone) -> None:
-        p = self.pending.get(m.rid)
-        if p is None:
-            return
-        p.done = m
-        self._check_ready(p)
-
-    def _check_ready(self, p: Pending) -> None:
-        if p.done is None or p.notifs < p.done.num_xfers or p.fenced:
-            return
-        del self.pending[p.req.rid]
-        p.peer.outstanding.discard(p.req.rid)
-        req, m = p.req, p.done
-        self.stats["kv_pages_received"] += len(req.pages) - req.num_cached // self.point.page_size
-        self.engine.scheduler.kv_arrived(req)
-        self.engine.stats.prefill_tokens += m.computed_tokens
-        out = self.engine.deliver(req, SampleOut(m.token, m.logprob, m.top_logprobs))
-        self.loop._deliver(out)
-
-    def _fence(self, req: Req) -> None:
-        """Engine abort of a transferring request: keep its pages until prefill confirms."""
-        p = self.pending.get(req.rid)
-        if p is None or p.peer.chan is None:
-            self.engine.release_fenced(req)
-            self.pending.pop(req.rid, None)
-            return
-        p.fenced = True
-        self.stats["fenced"] += 1
-        self._send(p.peer, P.Abort(req.rid))
-
-    def _aborted(self, rid: str) -> None:
-        p = self.pending.pop(rid, None)
-        if p is not None:
-            p.peer.outstanding.discard(rid)
-            self.engine.release_fenced(p.req)
-
-    def _prefill_failed(self, peer: PrefillPeer, m: P.PrefillFailed) -> None:
-        """Prefill gave up on it (and has nothing in flight for it): free, then retry or fail."""
-        p = self.pending.pop(m.rid, None)
-        if p is None:
-            return
-        peer.outstanding.discard(m.rid)
-        if p.fenced:
-            self.engine.release_fenced(p.req)
-            return
-        self.stats["failed"] += 1
-        self._fail(p.req, Unavailable(f"prefill failed: {m.reason}"))
+                self.awaited.notified(rid)
+        if self.awaited.quarantine:
+            for pages in self.awaited.expire(time.monotonic()):
+                self.engine.drop(pages)
+        return bool(self.awaited)
 
     def _peer_lost(self, peer: PrefillPeer) -> None:
-        """Everything sent to it: target pages rest in quarantine (a write could still be on the wire),
-        the rest is released; requests are retried on another peer or failed with 503."""
+        """Everything sent to it: target pages rest in quarantine (a write could still be on the wire);
+        the scheduler then releases the rest and retries each request on another peer or fails it."""
         if peer.agent_name:
             self.agent.remove_peer(peer.agent_name)
-        for rid in list(peer.outstanding):
-            p = self.pending.pop(rid, None)
-            if p is None:
-                continue
-            req = p.req
-            skip = req.num_cached // self.point.page_size
-            self.quarantine.append((time.monotonic() + self.cfg.fence_s, req.pages[skip:]))
-            req.pages = req.pages[:skip]
-            if p.fenced:
-                self.engine.release_fenced(req)
-                continue
-            self.engine.scheduler.transferring.pop(rid, None)
-            self.engine.release_fenced(req)  # unlock the prefix, drop the cached pages' refs
-            if p.retries < self.cfg.prefill_retries and self._pick() is not None:
-                self.stats["retried"] += 1
-                req.status = Status.WAITING
-                req.num_cached = 0
-                self.engine.scheduler.waiting.appendleft(req)
-            else:
-                self.stats["failed"] += 1
-                self._fail(req, Unavailable(f"prefill server {peer.addr} was lost during the request"), release=False)
-        peer.outstanding.clear()
-
-    def _fail(self, req: Req, error: Exception, release: bool = True) -> None:
-        """Take a request out of the engine and end its stream with an error."""
-        sched = self.engine.scheduler
-        if release:
-            sched.transferring.pop(req.rid, None)
-            self.engine.release_fenced(req)
-        req.status, req.finish_reason = Status.FINISHED, "error"
-        self.engine.streams.pop(req.rid, None)
-        self.loop.fail(req.rid, error)
-
-    def _fenced_pages(self) -> list[list[int]]:
-        return [p.req.pages for p in self.pending.values() if p.fenced] + [pages for _, pages in self.quarantine]
+        for a in self.awaited.peer_lost(peer.addr, time.monotonic(), self.cfg.fence_s):
+            self.engine.hold(a.target)
 
     # -- inspection ---------------------------------------------------------------------------------
 
@@ -315,13 +260,13 @@ class DecodeServer:
             "role": "decode",
             "point": self.point.name,
             "transfers": {
-                "in_flight": [{"rid": rid, "peer": p.peer.addr, "notifs": p.notifs, "fenced": p.fenced,
-                               "age_s": round(now - p.sent_at, 3)} for rid, p in self.pending.items()],
-                "quarantined_pages": sum(len(pages) for _, pages in self.quarantine),
+                "in_flight": [{"rid": rid, "peer": a.peer, "notifs": a.notifs, "fenced": a.fenced,
+                               "age_s": round(now - a.sent_at, 3)} for rid, a in self.awaited.entries.items()],
+                "quarantined_pages": self.awaited.quarantined_pages(),
                 **self.stats,
             },
             "peers": [{"addr": p.addr, "kind": "prefill", "healthy": p.healthy, "agent": p.agent_name,
-                       "outstanding": len(p.outstanding), "load": p.load, "refused": p.refused, "error": p.error,
+                       "outstanding": self.awaited.outstanding(p.addr), "load": p.load, "refused": p.refused, "error": p.error,
                        "connects": p.connects,
                        "last_seen_s": round(now - p.last_seen, 2) if p.last_seen else None} for p in self.peers],
         }

@@ -1,0 +1,86 @@
+"""What the engine shows of itself: the page owners, the pool integrity check (run by the loop
+whenever it goes idle, so a leak shows up in /admin/state and `trnd top`, not just in tests) and the
+/admin/state engine snapshot."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from trnd.cache.radix import check_pool_integrity
+from trnd.engine.request import Req, Status
+
+log = logging.getLogger("trnd.engine")
+
+
+def owner_lists(engine) -> list[list[int]]:
+    """Every list of pages something holds one pool reference on per entry: requests (running or
+    parked), parked jobs, tier transfers, the role's held pages, the static path's scratch page."""
+    owners = engine.scheduler.owner_lists()
+    if engine.tiers is not None:
+        owners += engine.tiers.held_pages()
+    if engine.scratch_page is not None:
+        owners.append([engine.scratch_page])
+    owners += [[p] * n for p, n in engine.held.items()]
+    return owners
+
+
+def check_integrity(engine) -> dict:
+    """Tree invariants, then exact refcounts: free + cached-only + in-use == total. Raises AssertionError."""
+    engine.radix.check_integrity(strict=False)
+    return check_pool_integrity(engine.pool, engine.radix, owner_lists(engine))
+
+
+def check_when_idle(engine) -> None:
+    """The loop thread calls this when it runs out of work; the outcome is kept for /admin/state."""
+    t0 = time.perf_counter()
+    try:
+        counts, error = check_integrity(engine), None
+    except AssertionError as e:
+        counts, error = None, str(e) or "assertion failed"
+        log.error("page pool integrity check failed: %s", error)
+    prev = engine.integrity or {}
+    engine.integrity = {"ok": error is None, "error": error, "checks": prev.get("checks", 0) + 1,
+                        "failures": prev.get("failures", 0) + (error is not None),
+                        "at": time.time(), "ms": round((time.perf_counter() - t0) * 1e3, 3), "pages": counts}
+
+
+def _phase(engine, r: Req) -> str:
+    job = engine.scheduler.parked.get(r.rid)
+    if job is not None:
+        return job.phase  # loading_kv: an L2 copy or an L3 read; waiting_for_kv: a prefill peer
+    if r.status is Status.WAITING:
+        return "waiting"
+    return "prefilling" if r.is_prefilling else "decoding"
+
+
+def engine_state(engine) -> dict:
+    now = time.monotonic()
+    sched = engine.scheduler
+
+    def req_state(r: Req) -> dict:
+        dt = (r.last_token_time or now) - (r.first_token_time or now)
+        return {"id": r.rid, "session_id": r.session_id, "state": _phase(engine, r), "prompt_tokens": r.num_prompt,
+                "cached_tokens": r.num_cached, "computed_tokens": r.num_computed,
+                "generated_tokens": r.num_output, "max_tokens": r.params.max_tokens, "pages": len(r.pages),
+                "tokens_per_s": round((r.num_output - 1) / dt, 2) if dt > 0 and r.num_output > 1 else None,
+                "age_s": round(now - r.arrival, 3), "preemptions": r.num_preemptions}
+
+    live = [j for j in sched.parked.values() if not j.aborted]
+    held = {p for pages in owner_lists(engine) for p in pages}
+    cached_only = engine.radix.num_cached_pages - len(held & set(engine.radix.all_pages()))
+    return {
+        "running": [req_state(r) for r in (*sched.running, *(j.req for j in live if j.phase == "waiting_for_kv"))],
+        "waiting": [req_state(r) for r in (*sched.waiting, *(j.req for j in live if j.phase != "waiting_for_kv"))],
+        "pages": {"total": engine.pool.num_pages, "free": engine.pool.num_free, "in_use": len(held),
+                  "cached": cached_only, "page_size": engine.cfg.page_size, "page_bytes": engine.runner.page_bytes},
+        "radix": engine.radix.stats(),
+        "tiers": engine.tiers.stats() if engine.tiers is not None else None,
+        "stats": dataclasses.asdict(engine.stats),
+        "layout": {"tp": engine.tp.size, "kv_heads_per_rank": engine.runner.num_kv_heads,
+                   "ranks": engine.workers.health() if engine.workers else [{"rank": 0, "alive": True}]},
+        "limits": {"max_model_len": engine.max_model_len, "max_batch": engine.cfg.max_batch,
+                   "token_budget": engine.cfg.token_budget, "chunk_size": engine.cfg.chunk_size},
+        "integrity": engine.integrity,
+    }

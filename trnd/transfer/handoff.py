@@ -1,0 +1,206 @@
+"""The KV handoff's books, one per side, as plain ledgers keyed by request id and peer id.
+
+Prefill's `Shipped`: for each request it prefills for a decode peer, which of the prompt's pages were
+written so far and which NIXL writes are still reading its source pages (held until they end, whatever
+happens to the request). Decode's `Awaited`: for each request whose prompt KV a peer is writing, the
+chunk notifications and the KVDone seen, whether it is fenced (aborted here, but a write may still
+land: wait for the peer's word), and the quarantine of pages a lost peer may still write into.
+
+No sockets, no engine, no clock of their own: the roles (roles/prefill.py, roles/decode.py) feed them
+what arrives and act on what they answer; tests/test_handoff.py drives them alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# -- prefill: what was shipped ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Xfer:
+    """One NIXL write of a request chunk's pages; `src` stays held until it ends."""
+    handle: object
+    src: list[int]
+    nbytes: int
+    t0: float
+
+
+@dataclass
+class Shipment:
+    """One request's KV on its way to a decode peer."""
+    rid: str  # the decode server's request id
+    peer: int  # decode peer id
+    skip_pages: int  # leading prompt pages decode already holds (its prefix cache): not sent
+    dst_pages: list[int]  # decode's pages for prompt pages skip_pages.. (one each)
+    sent_pages: int  # prompt page index up to which writes were issued
+    num_xfers: int = 0
+    xfers: list[Xfer] = field(default_factory=list)  # in flight
+    done: bool = False  # first token sampled and KVDone sent
+    aborted: bool = False
+
+
+class Shipped:
+    def __init__(self):
+        self.by_local: dict[str, Shipment] = {}  # prefill's local request id -> shipment
+
+    def __len__(self) -> int:
+        return len(self.by_local)
+
+    def get(self, local: str) -> Shipment | None:
+        return self.by_local.get(local)
+
+    def add(self, local: str, rid: str, peer: int, skip_pages: int, dst_pages: list[int]) -> Shipment:
+        s = self.by_local[local] = Shipment(rid, peer, skip_pages, dst_pages, skip_pages)
+        return s
+
+    @staticmethod
+    def pages_ready(s: Shipment, computed: int, num_prompt: int, page_size: int, pipeline: bool) -> range:
+        """Prompt pages that `computed` tokens completed and that were not written yet: whole pages
+        while the prompt is still prefilling (only with pipelining), every page once it is done."""
+        if s.aborted or (computed < num_prompt and not pipeline):
+            return range(0)
+        upto = -(-computed // page_size) if computed >= num_prompt else computed // page_size
+        return range(s.sent_pages, max(s.sent_pages, upto))
+
+    @staticmethod
+    def shipped(s: Shipment, pages: range, xfer: Xfer) -> None:
+        s.xfers.append(xfer)
+        s.sent_pages = pages.stop
+
+    def reap(self, state_of) -> list[tuple[str, Shipment, Xfer, bool]]:
+        """Take every write that ended: (local, shipment, xfer, ok). state_of(handle): "PROC" while
+        it runs, "DONE" when it succeeded, anything else when it failed."""
+        ended = []
+        for local, s in self.by_local.items():
+            still = []
+            for x in s.xfers:
+                st = state_of(x.handle)
+                if st == "PROC":
+                    still.append(x)
+                else:
+                    ended.append((local, s, x, st == "DONE"))
+            s.xfers = still
+        return ended
+
+    def settle(self, local: str) -> str | None:
+        """Forget a shipment with nothing in flight that is over. "aborted": tell the peer `Aborted`
+        (no write can land any more); "done": KVDone went out already. None: keep it."""
+        s = self.by_local.get(local)
+        if s is None or s.xfers:
+            return None
+        if s.aborted:
+            del self.by_local[local]
+            return "aborted"
+        if s.done:
+            del self.by_local[local]
+            return "done"
+        return None
+
+    def of_peer(self, peer: int) -> list[str]:
+        return [local for local, s in self.by_local.items() if s.peer == peer]
+
+    def held_pages(self) -> list[list[int]]:
+        return [x.src for s in self.by_local.values() for x in s.xfers]
+
+
+# -- decode: what is awaited -----------------------------------------------------------------------------
+
+
+@dataclass
+class Awaiting:
+    """One request whose prompt KV a prefill peer is writing into `target` (decode's pages)."""
+    rid: str
+    peer: str  # prefill peer id (its address)
+    target: list[int]
+    sent_at: float
+    notifs: int = 0  # chunk writes that landed (NIXL notifications)
+    done: object = None  # transfer/protocol.py KVDone: the first token and how many writes to expect
+    fenced: bool = False  # aborted here while a write may land: wait for the peer's Aborted
+    over: str | None = None  # ended without KV: "aborted" (nothing in flight), "lost" (peer gone), "failed"
+    reason: str = ""
+
+
+class Awaited:
+    def __init__(self):
+        self.entries: dict[str, Awaiting] = {}
+        self.quarantine: list[tuple[float, list[int]]] = []  # (until, pages) a lost peer may still write
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def expect(self, rid: str, peer: str, target: list[int], now: float) -> Awaiting:
+        a = self.entries[rid] = Awaiting(rid, peer, target, now)
+        return a
+
+    def notified(self, rid: str) -> None:
+        a = self.entries.get(rid)
+        if a is not None:
+            a.notifs += 1
+
+    def kv_done(self, rid: str, msg) -> None:
+        a = self.entries.get(rid)
+        if a is not None:
+            a.done = msg
+
+    def landed(self, rid: str) -> bool:
+        """KVDone and every write's notification are in, and nobody aborted it."""
+        a = self.entries.get(rid)
+        return (a is not None and a.over is None and not a.fenced and a.done is not None
+                and a.notifs >= a.done.num_xfers)
+
+    def ended(self, rid: str) -> bool:
+        a = self.entries.get(rid)
+        return a is None or a.over is not None or self.landed(rid)
+
+    def fence(self, rid: str, connected: bool) -> bool:
+        """Aborted here. True: ask the peer to abort and wait for its word; False: nothing can be in
+        flight (the peer is not connected), it is over now."""
+        a = self.entries.get(rid)
+        if a is None or a.over is not None:
+            return False
+        if not connected:
+            a.over = "aborted"
+            return False
+        a.fenced = True
+        return True
+
+    def aborted(self, rid: str) -> None:
+        """The peer confirmed: nothing of it is in flight."""
+        a = self.entries.get(rid)
+        if a is not None and a.over is None:
+            a.over = "aborted"
+
+    def failed(self, rid: str, reason: str) -> None:
+        """The peer gave up on it (and has nothing in flight for it)."""
+        a = self.entries.get(rid)
+        if a is not None and a.over is None:
+            a.over, a.reason = ("aborted", "") if a.fenced else ("failed", reason)
+
+    def peer_lost(self, peer: str, now: float, fence_s: float) -> list[Awaiting]:
+        """Everything sent to it is over; its target pages rest in quarantine for fence_s (a write
+        could still be on the wire). Returns those entries (their pages: the caller holds them)."""
+        lost = [a for a in self.entries.values() if a.peer == peer and a.over is None]
+        for a in lost:
+            a.over = "lost"
+            if a.target:
+                self.quarantine.append((now + fence_s, a.target))
+        return lost
+
+    def expire(self, now: float) -> list[list[int]]:
+        """Quarantined page lists whose time is up (the caller frees them)."""
+        out = [pages for until, pages in self.quarantine if until <= now]
+        self.quarantine = [(until, pages) for until, pages in self.quarantine if until > now]
+        return out
+
+    def forget(self, rid: str) -> Awaiting | None:
+        return self.entries.pop(rid, None)
+
+    def outstanding(self, peer: str) -> int:
+        return sum(1 for a in self.entries.values() if a.peer == peer and a.over is None)
+
+    def fenced_count(self) -> int:
+        return sum(1 for a in self.entries.values() if a.fenced)
+
+    def quarantined_pages(self) -> int:
+        return sum(len(pages) for _, pages in self.quarantine)
