@@ -20,7 +20,8 @@ from trnd.top.app import ConfirmScreen, RequestScreen, TopApp
 from trnd.top.cli import main as top_main
 from trnd.top.cli import render_plain
 from trnd.top.client import Client, parse_target, resolve_targets, targets_from_configs
-from trnd.top.model import NodeTrack, Poll, short_id, sort_rows, sparkline
+from trnd.top.fmt import short_id, sparkline
+from trnd.top.model import NodeTrack, Poll, sort_rows
 from trnd.top.panels import BatchPanel, CacheCard, NodesPanel
 
 from .procs import free_port, start_serve, stop, wait_ready

@@ -25,7 +25,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Static, TabbedContent, TabPane
 
 from trnd.top.client import Client, Target
-from trnd.top.model import SORTS, NodeTrack, Poll, ReqRow, fmt_duration, fmt_rate
+from trnd.top.fmt import fmt_duration, fmt_rate
+from trnd.top.model import SORTS, NodeTrack, Poll, ReqRow
 from trnd.top.panels import BatchPanel, CachePanel, NodesPanel, TransfersPanel, ViewOpts, selected_key
 
 PANELS = ("nodes", "batch", "cache", "transfers")

@@ -7,7 +7,8 @@ import asyncio
 import sys
 
 from trnd.top.client import CONFIG_DIR, Target, poll_all, resolve_targets
-from trnd.top.model import (NodeTrack, fmt_bytes, fmt_duration, fmt_rate, layout_text, sort_rows)
+from trnd.top.fmt import fmt_bytes, fmt_duration, fmt_rate, layout_text
+from trnd.top.model import NodeTrack, sort_rows
 
 
 def build_parser() -> argparse.ArgumentParser:

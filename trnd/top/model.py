@@ -8,9 +8,10 @@ the only local time is `now`, passed in by the caller (the app injects its clock
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from dataclasses import dataclass
+
+from trnd.top.fmt import fmt_duration
 
 HISTORY = 40  # samples per sparkline
 
@@ -93,11 +94,6 @@ class InFlight:
 
 def row_key(node: str, rid: str) -> str:
     return f"{node}\t{rid}"
-
-
-def split_key(key: str) -> tuple[str, str]:
-    node, _, rid = key.partition("\t")
-    return node, rid
 
 
 class NodeTrack:
@@ -409,64 +405,3 @@ def sort_rows(rows: list[ReqRow], sort: int) -> list[ReqRow]:
     """Running before queued, then the chosen key (ties by id, so the order is stable)."""
     key = SORTS[sort % len(SORTS)][1]
     return sorted(rows, key=lambda r: (r.queued, key(r), r.node, r.id))
-
-
-def short_id(rid: str) -> str:
-    """chatcmpl-61a7cc8be4e1...-1 -> 61a7cc8b-1: enough to tell requests apart on one screen."""
-    core = re.sub(r"^(chatcmpl|cmpl)-", "", rid)
-    m = re.match(r"^(.*?)(-\d+)?$", core)
-    head, tail = (m.group(1), m.group(2) or "") if m else (core, "")
-    return head[:8] + tail if len(head) > 8 else core
-
-
-def fmt_duration(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(max(0.0, s))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-def fmt_rate(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if x >= 10_000:
-        return f"{x / 1000:.0f}k"
-    if x >= 100:
-        return f"{x:.0f}"
-    return f"{x:.1f}"
-
-
-def fmt_bytes(n: float | None, suffix: str = "") -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}{suffix}" if unit == "B" else f"{n:.1f} {unit}{suffix}"
-        n /= 1024
-    return "-"
-
-
-def sparkline(values: list[float], width: int) -> str:
-    """Block characters scaled to the window's maximum; an idle window is a flat baseline."""
-    blocks = "▁▂▃▄▅▆▇█"
-    vals = values[-width:]
-    top = max(vals, default=0.0)
-    if top <= 0:
-        return "▁" * len(vals)
-    return "".join(blocks[min(7, int(v / top * 7.999))] for v in vals)
-
-
-def layout_text(st: dict | None, known: dict) -> str:
-    """TP degree and rank health: "2" or "2 (1 down)"."""
-    lay = (st or {}).get("layout") or {}
-    tp = lay.get("tp", known.get("tp"))
-    if tp is None:
-        return "-"
-    down = sum(1 for r in lay.get("ranks", []) if not r.get("alive", True))
-    return f"{tp} ({down} down)" if down else str(tp)

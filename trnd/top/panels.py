@@ -17,8 +17,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.widgets import DataTable, Static
 
-from trnd.top.model import (SORTS, NodeTrack, ReqRow, fmt_bytes, fmt_duration, fmt_rate, layout_text, short_id,
-                            sort_rows, sparkline)
+from trnd.top.fmt import fmt_bytes, fmt_duration, fmt_rate, layout_text, short_id, sparkline
+from trnd.top.model import SORTS, NodeTrack, ReqRow, sort_rows
 
 STATUS_COLORS = {"ready": "text-success", "loading": "text-primary", "draining": "text-warning",
                  "degraded": "text-warning", "slow": "text-warning", "unreachable": "text-error",
