@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .procs import free_port  # noqa: E402  (shared with the other process tests)
+from .procs import free_port, wait_for  # noqa: E402  (shared with the other process tests)
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 512
@@ -364,6 +364,23 @@ def test_admin_state_schema(server, tiny_qwen3):
         assert key in s
     assert s["limits"]["max_model_len"] == MAX_MODEL_LEN
     assert {"total", "free", "in_use", "cached", "page_size"} <= set(s["pages"])
+
+
+def test_the_page_pool_check_runs_when_idle_and_shows_in_admin_state_and_top(server, client, model):
+    from trnd import snapshot
+    from trnd.top.cli import render_plain
+    from trnd.top.model import NodeTrack, Poll
+
+    client.chat.completions.create(model=model, messages=chat("count"), max_tokens=3, temperature=0)
+    before = server.wait_idle()["integrity"]["checks"] if "integrity" in server.state() else 0
+    client.chat.completions.create(model=model, messages=chat("count again"), max_tokens=3, temperature=0)
+    s = wait_for(lambda: (st := server.state()).get("integrity") and st["integrity"]["checks"] > before and st, 10)
+    assert s["integrity"]["ok"] is True and s["integrity"]["error"] is None
+    p = s["integrity"]["pages"]
+    assert p["free"] + p["cached"] + p["in_use"] == p["total"] == s["pages"]["total"]
+    t = NodeTrack("n")
+    t.update(Poll(snapshot.decode(s), ready="ready"), 0.0)
+    assert t.status == "ready" and "page pool check ok" in render_plain([t])
 
 
 def test_admin_abort_stops_a_stream(server, client, model):

@@ -40,8 +40,8 @@ def test_evicted_pages_come_back_from_host(tiny_qwen3, policy):
     assert small == big and tiered == big
     assert e1.stats.loaded_tokens >= 4 * 160 - 4 * 8  # each revisit found its history in L2
     assert e1.stats.prefill_tokens < e0.stats.prefill_tokens - 500
-    host = e1.state()["tiers"]["host"]
-    assert host["loaded"] > 0 and host["stored"] > 0 and host["hits"] > 0
+    host = e1.state().tiers.host
+    assert host.loaded > 0 and host.stored > 0 and host.hits > 0
 
 
 def test_host_tier_stays_within_its_slots(tiny_qwen3):

@@ -204,9 +204,11 @@ def test_status_from_state_ready_and_failures():
 def test_tiers_host_and_remote_and_rates():
     a = copy.deepcopy(states("serve")[-2])
     b = copy.deepcopy(states("serve")[-1])
-    for st, loaded in ((a, 10), (b, 40)):
-        st["tiers"]["remote"] = {"slots": 1000, "used": 300, "page_bytes": 8192, "hits": 30, "misses": 10,
-                                 "loaded": loaded, "stored": 0, "evicted": 0}
+    for st, loaded in ((a, 10), (b, 40)):  # the remote tier as a client sees its stores (trnd/snapshot.py)
+        st["tiers"]["remote"] = {"stores": [{"addr": "s1:1", "healthy": True, "slots": 600, "hits": 20, "misses": 10,
+                                             "pages_loaded": loaded // 2},
+                                            {"addr": "s2:1", "healthy": False, "slots": 400, "hits": 10,
+                                             "pages_loaded": loaded // 2}], "pages_written": 0}
     t = NodeTrack("n")
     t.update(Poll(a), 0.0)
     t.update(Poll(b), 1.0)
@@ -217,7 +219,7 @@ def test_tiers_host_and_remote_and_rates():
     h = tiers["host"]
     assert (h.total, h.cached, h.free) == (host["slots"], host["used"], host["free"])
     r = tiers["remote"]
-    assert (r.total, r.cached, r.free, r.hit_rate) == (1000, 300, 700, 0.75)
+    assert (r.total, r.usage_known, r.hit_rate, r.note) == (1000, False, 0.75, "2 stores, 1 healthy")
     assert r.load_per_s == pytest.approx(30 / (b["uptime_s"] - a["uptime_s"]))
     # no tiers field (or null): only the device
     b2 = copy.deepcopy(b)
@@ -253,22 +255,13 @@ def test_l3_remote_tier_and_store_node():
     assert text.count("prefix cache:") == 1  # the store has no radix
 
 
-def test_hot_prefixes_when_present():
-    st = copy.deepcopy(states("serve")[-1])
-    t = NodeTrack("n")
-    t.update(Poll(st), 0.0)
-    assert t.hot_prefixes() == []
-    st["hot_prefixes"] = [{"text": "You are a helpful\nassistant", "hits": 120, "pages": 4}]
-    t.update(Poll({**st, "uptime_s": st["uptime_s"] + 1}), 1.0)
-    assert t.hot_prefixes() == [("You are a helpful⏎assistant", "120 hits · 4 pages")]
-
-
-def test_cache_panel_renders_extra_tiers_and_hot_prefixes():
+def test_cache_panel_renders_the_remote_tier_and_the_page_pool_check():
     a, b = copy.deepcopy(states("serve")[-2:])
     for st in (a, b):
-        st["tiers"]["remote"] = {"slots": 4096, "used": 1024, "page_bytes": 8192, "hits": 9, "misses": 1,
-                                 "loaded": 5, "stored": 7, "evicted": 0}
-    b["hot_prefixes"] = [{"text": "SYSTEM: you are terse", "hits": 42, "pages": 3}]
+        st["tiers"]["remote"] = {"stores": [{"addr": "s1:1", "healthy": True, "slots": 4096, "hits": 9, "misses": 1,
+                                             "pages_loaded": 5}], "pages_written": 7}
+    b["integrity"] = {"ok": False, "error": "page 7: refcount 2, expected 1 request refs + 0 tree ref", "checks": 3,
+                      "failures": 1, "at": 0.0, "ms": 0.4}
 
     async def go():
         app = TopApp([parse_target("s:8000")], autopoll=False, clock=lambda: 0.0)
@@ -282,9 +275,8 @@ def test_cache_panel_renders_extra_tiers_and_hot_prefixes():
     text = asyncio.run(go())
     lines = text.splitlines()
     assert any(ln.startswith("device ") for ln in lines) and any(ln.startswith("host ") for ln in lines)
-    remote = next(i for i, ln in enumerate(lines) if ln.startswith("remote "))
-    assert "cached 1024" in lines[remote + 1] and "free 3072" in lines[remote + 1] and "hit 90.0%" in text
-    assert "hottest prefixes" in text and "SYSTEM: you are terse" in text and "42 hits · 3 pages" in text
+    assert any(ln.startswith("remote ") for ln in lines) and "hit 90.0%" in text and "1 store, 1 healthy" in text
+    assert "page pool check FAILED (1 of 3): page 7: refcount 2" in text
 
 
 def test_transfers_per_peer_throughput_and_in_flight():
@@ -357,7 +349,7 @@ def test_poll_unix_socket_with_api_key(tmp_path):
                 await c.aclose()
 
         poll, (ok, _) = asyncio.run(go())
-        assert poll.kind == "ok" and poll.ready == "ready" and poll.state["role"] == "decode" and ok
+        assert poll.kind == "ok" and poll.ready == "ready" and poll.state.role == "decode" and ok
         assert {r[2] for r in fake.requests} == {"Bearer K"}
         assert ("POST", "/admin/drain", "Bearer K") in fake.requests
     finally:

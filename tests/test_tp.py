@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 
+import msgspec
 import pytest
 
 from trnd.engine.request import SamplingParams
@@ -34,7 +35,7 @@ def run_tp(model_dir, tp: int, prompts):
     llm = LLM(str(model_dir), page_size=8, num_pages=128, tp=tp, threads=1)
     try:
         outs = [c.token_ids for c in llm.generate(prompts, GREEDY)]
-        state = llm.engine.state()["layout"]
+        state = msgspec.to_builtins(llm.engine.state().layout)  # as /admin/state has it
         # every rank wrote its KV into its own pool, which the role process can see (shared memory)
         assert all(pool.abs().sum() > 0 for pool in llm.engine.pools)
     finally:

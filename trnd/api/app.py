@@ -188,12 +188,13 @@ async def _on_loop(st: AppState, fn: Callable[[], object]):
 
 
 async def admin_state(request: Request) -> Response:
+    """The role's State (trnd/snapshot.py): the engine's part, then the role's own (state_extra)."""
     st = state_of(request)
     state = await _on_loop(st, st.loop.engine.state)
-    state.update(model=st.model_name, role="serve", uptime_s=round(time.monotonic() - st.started_mono, 3),
-                 draining=st.draining)
+    state = msgspec.structs.replace(state, model=st.model_name, role="serve",
+                                    uptime_s=round(time.monotonic() - st.started_mono, 3), draining=st.draining)
     if st.state_extra is not None:
-        state.update(st.state_extra())
+        state = msgspec.structs.replace(state, **st.state_extra())
     return json_response(state)
 
 

@@ -12,6 +12,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from trnd import snapshot as S
 from trnd.engine.loop import EngineLoop
 from trnd.engine.output import StepOutput
 
@@ -65,43 +66,37 @@ class Metrics:
         return RequestTracker(self, arrival)
 
     async def render(self, loop: EngineLoop, timeout: float = 2.0) -> bytes:
-        """Refresh the gauges from the engine (skipped if the loop does not answer in time) and render."""
-        def snapshot():
-            e = loop.engine
-            pool, radix = e.pool, e.radix
-            held = pool.num_pages - pool.num_free - radix.num_evictable_pages
-            tiers = e.tiers.stats() if e.tiers is not None else None
-            return len(e.scheduler.running), len(e.scheduler.waiting), held / max(1, pool.num_pages), tiers
+        """Refresh the gauges from the engine's State (trnd/snapshot.py, as /admin/state has it; skipped
+        if the loop does not answer in time) and render."""
         try:
-            running, waiting, usage, tiers = await asyncio.wait_for(loop.run_on_loop(snapshot), timeout)
+            st = await asyncio.wait_for(loop.run_on_loop(loop.engine.state), timeout)
         except (asyncio.TimeoutError, RuntimeError):
             pass  # a stuck loop: /health reports it; the counters are still worth serving
         else:
             m = self.model_name
-            self.running.labels(m).set(running)
-            self.waiting.labels(m).set(waiting)
-            self.kv_usage.labels(m).set(usage)
-            self._tiers(m, tiers)
+            self.running.labels(m).set(len(st.running or []))
+            self.waiting.labels(m).set(len(st.waiting or []))
+            pg, rad = st.pages, st.radix
+            self.kv_usage.labels(m).set((pg.total - pg.free - rad.evictable_pages) / max(1, pg.total))
+            self._tiers(m, st.tiers)
         return generate_latest(self.registry)
 
-    def _tiers(self, m: str, tiers: dict | None) -> None:
-        host = tiers and tiers.get("host")
+    def _tiers(self, m: str, tiers: S.Tiers | None) -> None:
+        host = tiers and tiers.host
         if host:
-            for g, k in ((self.tier_pages, "used"), (self.tier_hits, "hits"), (self.tier_misses, "misses"),
-                         (self.tier_in, "stored"), (self.tier_out, "loaded"), (self.tier_evicted, "evicted")):
-                g.labels(m, "host").set(host[k])
-            if (host.get("load_ms") or {}).get("p50") is not None:
-                self.tier_load_ms.labels(m, "host").set(host["load_ms"]["p50"])
-        remote = tiers and tiers.get("remote")
+            for g, v in ((self.tier_pages, host.used), (self.tier_hits, host.hits), (self.tier_misses, host.misses),
+                         (self.tier_in, host.stored), (self.tier_out, host.loaded), (self.tier_evicted, host.evicted)):
+                g.labels(m, "host").set(v)
+            if host.load_ms is not None and host.load_ms.p50 is not None:
+                self.tier_load_ms.labels(m, "host").set(host.load_ms.p50)
+        remote = tiers and tiers.remote
         if remote:
-            self.tier_in.labels(m, "remote").set(remote.get("pages_written", 0))
-            self.tier_hits.labels(m, "remote").set(sum(s.get("hits", 0) for s in remote.get("stores", [])))
-            self.tier_misses.labels(m, "remote").set(sum(s.get("misses", 0) for s in remote.get("stores", [])))
-            self.tier_out.labels(m, "remote").set(sum(s.get("pages_loaded", 0) for s in
-                                                      remote.get("stores", [])))
-            p50 = (remote.get("load_ms") or {}).get("p50")
-            if p50 is not None:
-                self.tier_load_ms.labels(m, "remote").set(p50)
+            self.tier_in.labels(m, "remote").set(remote.pages_written)
+            self.tier_hits.labels(m, "remote").set(sum(s.hits for s in remote.stores))
+            self.tier_misses.labels(m, "remote").set(sum(s.misses for s in remote.stores))
+            self.tier_out.labels(m, "remote").set(sum(s.pages_loaded for s in remote.stores))
+            if remote.load_ms is not None and remote.load_ms.p50 is not None:
+                self.tier_load_ms.labels(m, "remote").set(remote.load_ms.p50)
 
 
 class RequestTracker:

@@ -128,7 +128,7 @@ class Engine:
         # write that may still land (decode's quarantine). One pool reference each (hold/drop).
         self.held: Counter[int] = Counter()
         self.failures: list[tuple[str, BaseException]] = []  # requests whose KV source gave up (EngineLoop fails them)
-        self.integrity: dict | None = None  # the last idle-time check (engine/state.py)
+        self.integrity = None  # snapshot.Integrity: the last idle-time check (engine/state.py)
         if cfg.static:
             from trnd.engine.static import StaticRunner, resolve_point
 
@@ -340,6 +340,6 @@ class Engine:
     def check_when_idle(self) -> None:
         state.check_when_idle(self)
 
-    def state(self) -> dict:
-        """The /admin/state engine snapshot (trnd/snapshot.py)."""
+    def state(self):
+        """The /admin/state engine snapshot (a trnd/snapshot.py State)."""
         return state.engine_state(self)

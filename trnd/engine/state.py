@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import time
 
+from trnd import snapshot as S
 from trnd.cache.radix import check_pool_integrity
 from trnd.engine.request import Req, Status
 
@@ -40,10 +41,11 @@ def check_when_idle(engine) -> None:
     except AssertionError as e:
         counts, error = None, str(e) or "assertion failed"
         log.error("page pool integrity check failed: %s", error)
-    prev = engine.integrity or {}
-    engine.integrity = {"ok": error is None, "error": error, "checks": prev.get("checks", 0) + 1,
-                        "failures": prev.get("failures", 0) + (error is not None),
-                        "at": time.time(), "ms": round((time.perf_counter() - t0) * 1e3, 3), "pages": counts}
+    prev = engine.integrity or S.Integrity()
+    engine.integrity = S.Integrity(ok=error is None, error=error, checks=prev.checks + 1,
+                                   failures=prev.failures + (error is not None), at=time.time(),
+                                   ms=round((time.perf_counter() - t0) * 1e3, 3),
+                                   pages=S.part(S.Pages, counts))
 
 
 def _phase(engine, r: Req) -> str:
@@ -55,32 +57,34 @@ def _phase(engine, r: Req) -> str:
     return "prefilling" if r.is_prefilling else "decoding"
 
 
-def engine_state(engine) -> dict:
+def engine_state(engine) -> S.State:
+    """The engine's part of /admin/state (the role adds its own: api/app.py)."""
     now = time.monotonic()
     sched = engine.scheduler
 
-    def req_state(r: Req) -> dict:
+    def req_state(r: Req) -> S.Request:
         dt = (r.last_token_time or now) - (r.first_token_time or now)
-        return {"id": r.rid, "session_id": r.session_id, "state": _phase(engine, r), "prompt_tokens": r.num_prompt,
-                "cached_tokens": r.num_cached, "computed_tokens": r.num_computed,
-                "generated_tokens": r.num_output, "max_tokens": r.params.max_tokens, "pages": len(r.pages),
-                "tokens_per_s": round((r.num_output - 1) / dt, 2) if dt > 0 and r.num_output > 1 else None,
-                "age_s": round(now - r.arrival, 3), "preemptions": r.num_preemptions}
+        return S.Request(id=r.rid, session_id=r.session_id, state=_phase(engine, r), prompt_tokens=r.num_prompt,
+                         cached_tokens=r.num_cached, computed_tokens=r.num_computed, generated_tokens=r.num_output,
+                         max_tokens=r.params.max_tokens, pages=len(r.pages),
+                         tokens_per_s=round((r.num_output - 1) / dt, 2) if dt > 0 and r.num_output > 1 else None,
+                         age_s=round(now - r.arrival, 3), preemptions=r.num_preemptions)
 
     live = [j for j in sched.parked.values() if not j.aborted]
     held = {p for pages in owner_lists(engine) for p in pages}
     cached_only = engine.radix.num_cached_pages - len(held & set(engine.radix.all_pages()))
-    return {
-        "running": [req_state(r) for r in (*sched.running, *(j.req for j in live if j.phase == "waiting_for_kv"))],
-        "waiting": [req_state(r) for r in (*sched.waiting, *(j.req for j in live if j.phase != "waiting_for_kv"))],
-        "pages": {"total": engine.pool.num_pages, "free": engine.pool.num_free, "in_use": len(held),
-                  "cached": cached_only, "page_size": engine.cfg.page_size, "page_bytes": engine.runner.page_bytes},
-        "radix": engine.radix.stats(),
-        "tiers": engine.tiers.stats() if engine.tiers is not None else None,
-        "stats": dataclasses.asdict(engine.stats),
-        "layout": {"tp": engine.tp.size, "kv_heads_per_rank": engine.runner.num_kv_heads,
-                   "ranks": engine.workers.health() if engine.workers else [{"rank": 0, "alive": True}]},
-        "limits": {"max_model_len": engine.max_model_len, "max_batch": engine.cfg.max_batch,
-                   "token_budget": engine.cfg.token_budget, "chunk_size": engine.cfg.chunk_size},
-        "integrity": engine.integrity,
-    }
+    ranks = engine.workers.health() if engine.workers else [{"rank": 0, "alive": True}]
+    return S.State(
+        running=[req_state(r) for r in (*sched.running, *(j.req for j in live if j.phase == "waiting_for_kv"))],
+        waiting=[req_state(r) for r in (*sched.waiting, *(j.req for j in live if j.phase != "waiting_for_kv"))],
+        pages=S.Pages(total=engine.pool.num_pages, free=engine.pool.num_free, in_use=len(held), cached=cached_only,
+                      page_size=engine.cfg.page_size, page_bytes=engine.runner.page_bytes),
+        radix=S.part(S.Radix, engine.radix.stats()),
+        tiers=S.part(S.Tiers, engine.tiers.stats() if engine.tiers is not None else None),
+        stats=S.Stats(**dataclasses.asdict(engine.stats)),
+        layout=S.Layout(tp=engine.tp.size, kv_heads_per_rank=engine.runner.num_kv_heads,
+                        ranks=[S.Rank(**r) for r in ranks]),
+        limits=S.Limits(max_model_len=engine.max_model_len, max_batch=engine.cfg.max_batch,
+                        token_budget=engine.cfg.token_budget, chunk_size=engine.cfg.chunk_size),
+        integrity=engine.integrity,
+    )

@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from trnd import snapshot as S
 from trnd.config import DecodeConfig
 from trnd.engine.loop import EngineLoop, Unavailable
 from trnd.engine.parked import Landing, Parked
@@ -255,20 +256,19 @@ class DecodeServer:
     # -- inspection ---------------------------------------------------------------------------------
 
     def state_extra(self) -> dict:
+        """decode's part of /admin/state (trnd/snapshot.py)."""
         now = time.monotonic()
         return {
             "role": "decode",
             "point": self.point.name,
-            "transfers": {
-                "in_flight": [{"rid": rid, "peer": a.peer, "notifs": a.notifs, "fenced": a.fenced,
-                               "age_s": round(now - a.sent_at, 3)} for rid, a in self.awaited.entries.items()],
-                "quarantined_pages": self.awaited.quarantined_pages(),
-                **self.stats,
-            },
-            "peers": [{"addr": p.addr, "kind": "prefill", "healthy": p.healthy, "agent": p.agent_name,
-                       "outstanding": self.awaited.outstanding(p.addr), "load": p.load, "refused": p.refused, "error": p.error,
-                       "connects": p.connects,
-                       "last_seen_s": round(now - p.last_seen, 2) if p.last_seen else None} for p in self.peers],
+            "transfers": S.Transfers(
+                in_flight=[S.InFlight(rid=rid, peer=a.peer, notifs=a.notifs, fenced=a.fenced,
+                                      age_s=round(now - a.sent_at, 3)) for rid, a in self.awaited.entries.items()],
+                quarantined_pages=self.awaited.quarantined_pages(), **self.stats),
+            "peers": [S.Peer(addr=p.addr, kind="prefill", healthy=p.healthy, agent=p.agent_name,
+                             outstanding=self.awaited.outstanding(p.addr), load=p.load, refused=p.refused,
+                             error=p.error, connects=p.connects,
+                             last_seen_s=round(now - p.last_seen, 2) if p.last_seen else None) for p in self.peers],
         }
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from trnd import snapshot as S
 from trnd.config import PrefillConfig
 from trnd.engine.engine import LengthError
 from trnd.engine.loop import EngineLoop
@@ -24,6 +25,7 @@ from trnd.engine.output import StepOutput
 from trnd.engine.scheduler import Batch
 from trnd.roles.common import build_engine, layout_from, layout_of, manifest
 from trnd.transfer import protocol as P
+from trnd.transfer.handoff import Shipment, Shipped, Xfer
 from trnd.transfer.plan import descriptors, make_plan
 
 log = logging.getLogger("trnd.prefill")
@@ -45,20 +47,6 @@ class Peer:
     alive: bool = True
 
 
-@dataclass
-class Handoff:
-    """One request's KV on its way to a decode server."""
-    peer: Peer
-    rid: str  # decode's request id
-    skip_pages: int
-    dst_pages: list[int]
-    sent_pages: int  # page index up to which transfers were issued
-    xfers: list = field(default_factory=list)  # [(handle, src pages held, bytes, started)]
-    num_xfers: int = 0
-    done: bool = False  # first token sampled and KVDone sent
-    aborted: bool = False
-
-
 class PrefillServer:
     def __init__(self, cfg: PrefillConfig, model_dir, model_name: str):
         self.cfg = cfg
@@ -69,9 +57,8 @@ class PrefillServer:
         self.layout = layout_of(self.engine)
         self.agent = self.engine.kv_agent()
         self.engine.on_forward = self._ship
-        self.engine.extra_owners = self._held_pages
         self.loop = EngineLoop(self.engine, poll=self._poll, on_output=self._on_output)
-        self.handoffs: dict[str, Handoff] = {}  # local rid -> handoff
+        self.handoffs = Shipped()  # local rid -> what was shipped to which decode peer (transfer/handoff.py)
         self.peers: dict[int, Peer] = {}
         self._ids = itertools.count(1)
         self.aio: asyncio.AbstractEventLoop | None = None
@@ -127,7 +114,7 @@ class PrefillServer:
                 elif isinstance(msg, P.Abort):
                     self.loop.call(lambda m=msg: self._abort(peer, m.rid))
                 elif isinstance(msg, P.Ping):
-                    await chan.send(P.Pong(msg.t, self.engine.scheduler.num_active + len(self.engine.scheduler.waiting)))
+                    await chan.send(P.Pong(msg.t, self.engine.load))
                 else:
                     chan._reject(f"unexpected {type(msg).__name__}")
         except P.ChannelClosed as e:
@@ -155,7 +142,7 @@ class PrefillServer:
 
     def _submit(self, peer: Peer, m: P.PrefillReq) -> None:
         local = self._local(peer, m.rid)
-        if local in self.handoffs:
+        if self.handoffs.get(local) is not None:
             log.warning("duplicate PrefillReq for %s from peer %d rejected", m.rid, peer.id)
             return
         n_pages = -(-len(m.prompt_ids) // self.point.page_size)
@@ -169,41 +156,36 @@ class PrefillServer:
         except (LengthError, ValueError) as e:
             self._send(peer, P.PrefillFailed(m.rid, str(e)))
             return
-        self.handoffs[local] = Handoff(peer, m.rid, m.skip_pages, m.dst_pages, m.skip_pages)
+        self.handoffs.add(local, m.rid, peer.id, m.skip_pages, m.dst_pages)
         peer.requests += 1
         self.stats["requests"] += 1
 
     def _ship(self, batch: Batch) -> None:
         """After a forward: write the pages this chunk completed (one NIXL transfer per request chunk).
         The transfer runs on NIXL's progress thread while the engine computes the next chunk."""
-        ps = self.point.page_size
         for req, n in batch.prefill:
             h = self.handoffs.get(req.rid)
-            if h is None or h.aborted:
+            if h is None:
                 continue
-            end = req.num_computed + n
-            if end < req.num_prompt and not self.cfg.pipeline:
+            idx = Shipped.pages_ready(h, req.num_computed + n, req.num_prompt, self.point.page_size,
+                                      self.cfg.pipeline)
+            if not idx:
                 continue
-            upto = -(-end // ps) if end >= req.num_prompt else end // ps
-            if upto <= h.sent_pages:
-                continue
-            idx = range(h.sent_pages, upto)
+            peer = self.peers[h.peer]
             src = [req.pages[i] for i in idx]
             dst = [h.dst_pages[i - h.skip_pages] for i in idx]
-            sd, dd = descriptors(h.peer.plan, self.layout, h.peer.layout, self.agent.bases,
-                                 [r.addr for r in h.peer.regions], src, dst)
+            sd, dd = descriptors(peer.plan, self.layout, peer.layout, self.agent.bases,
+                                 [r.addr for r in peer.regions], src, dst)
             h.num_xfers += 1
             t0 = time.monotonic()
             try:
-                handle = self.agent.write(h.peer.agent_name, sd, dd, f"{h.rid}|{h.num_xfers}".encode())
+                handle = self.agent.write(peer.agent_name, sd, dd, f"{h.rid}|{h.num_xfers}".encode())
             except ConnectionError as e:
                 self._fail(req.rid, h, str(e))
                 continue
             self.stats["post_ms"] += (time.monotonic() - t0) * 1e3
-            self.engine.pool.ref(src)  # held until the transfer is done, whatever happens to the request
-            nbytes = int(dd[:, 1].sum())
-            h.xfers.append((handle, src, nbytes, t0))
-            h.sent_pages = upto
+            self.engine.hold(src)  # until the transfer is done, whatever happens to the request
+            Shipped.shipped(h, idx, Xfer(handle, src, int(dd[:, 1].sum()), t0))
 
     def _on_output(self, out: StepOutput) -> None:
         h = self.handoffs.get(out.rid)
@@ -212,51 +194,49 @@ class PrefillServer:
         if out.finish_reason == "abort":
             return
         lp = out.logprobs[0] if out.logprobs else None
-        self._send(h.peer, P.KVDone(h.rid, out.token_ids[0], lp.logprob if lp else None,
-                                    [tuple(t) for t in lp.top] if lp else None, h.num_xfers,
-                                    out.prompt_tokens - out.cached_tokens))
+        self._send_to(h.peer, P.KVDone(h.rid, out.token_ids[0], lp.logprob if lp else None,
+                                       [tuple(t) for t in lp.top] if lp else None, h.num_xfers,
+                                       out.prompt_tokens - out.cached_tokens))
         h.done = True
-        self._maybe_forget(out.rid, h)
+        self._settle(out.rid)
 
     def _poll(self) -> bool:
         """Reap finished transfers (engine thread, every loop iteration)."""
-        for local, h in list(self.handoffs.items()):
-            still = []
-            for handle, src, nbytes, t0 in h.xfers:
-                state = self.agent.state(handle)
-                if state == "PROC":
-                    still.append((handle, src, nbytes, t0))
-                    continue
-                self.agent.release(handle)
-                self.engine.pool.unref(src)
-                if state == "DONE":
-                    self.stats["xfers"] += 1
-                    self.stats["bytes"] += nbytes
-                    self.stats["xfer_ms"] += (time.monotonic() - t0) * 1e3
-                    h.peer.bytes_sent += nbytes
-                else:
-                    self._fail(local, h, "NIXL transfer failed")
-            h.xfers = still
-            self._maybe_forget(local, h)
-        return any(h.xfers for h in self.handoffs.values())
+        for local, h, x, ok in self.handoffs.reap(self.agent.state):
+            self.agent.release(x.handle)
+            self.engine.drop(x.src)
+            if ok:
+                self.stats["xfers"] += 1
+                self.stats["bytes"] += x.nbytes
+                self.stats["xfer_ms"] += (time.monotonic() - x.t0) * 1e3
+                peer = self.peers.get(h.peer)
+                if peer is not None:
+                    peer.bytes_sent += x.nbytes
+            else:
+                self._fail(local, h, "NIXL transfer failed")
+        for local in list(self.handoffs.by_local):
+            self._settle(local)
+        return bool(self.handoffs.held_pages())
 
-    def _maybe_forget(self, local: str, h: Handoff) -> None:
-        if h.xfers or local not in self.handoffs:
-            return
-        if h.aborted:
-            del self.handoffs[local]
-            self._send(h.peer, P.Aborted(h.rid))
-        elif h.done:
-            del self.handoffs[local]
+    def _settle(self, local: str) -> None:
+        """Forget a shipment that is over; an aborted one is answered `Aborted` (nothing in flight)."""
+        h = self.handoffs.get(local)
+        if h is not None and self.handoffs.settle(local) == "aborted":
+            self._send_to(h.peer, P.Aborted(h.rid))
 
-    def _fail(self, local: str, h: Handoff, why: str) -> None:
+    def _send_to(self, peer_id: int, msg) -> None:
+        peer = self.peers.get(peer_id)
+        if peer is not None:
+            self._send(peer, msg)
+
+    def _fail(self, local: str, h: Shipment, why: str) -> None:
         if h.aborted:
             return
         self.stats["failed"] += 1
-        log.warning("prefill of %s for decode peer %d failed: %s", h.rid, h.peer.id, why)
+        log.warning("prefill of %s for decode peer %d failed: %s", h.rid, h.peer, why)
         self.engine.abort(local)
         h.aborted = True
-        self._send(h.peer, P.PrefillFailed(h.rid, why))
+        self._send_to(h.peer, P.PrefillFailed(h.rid, why))
 
     def _abort(self, peer: Peer, rid: str) -> None:
         local = self._local(peer, rid)
@@ -267,36 +247,31 @@ class PrefillServer:
         self.stats["aborted"] += 1
         self.engine.abort(local)
         h.aborted = True
-        self._maybe_forget(local, h)
+        self._settle(local)
 
     def _peer_lost(self, peer: Peer) -> None:
-        for local, h in list(self.handoffs.items()):
-            if h.peer is peer:
-                self.engine.abort(local)
-                h.aborted = True
-                self._maybe_forget(local, h)
+        for local in self.handoffs.of_peer(peer.id):
+            self.engine.abort(local)
+            self.handoffs.get(local).aborted = True
+            self._settle(local)
         self.peers.pop(peer.id, None)
         self.agent.remove_peer(peer.agent_name)
-
-    def _held_pages(self) -> list[list[int]]:
-        return [src for h in self.handoffs.values() for _, src, _, _ in h.xfers]
 
     # -- inspection ---------------------------------------------------------------------------------
 
     def state_extra(self) -> dict:
+        """prefill's part of /admin/state (trnd/snapshot.py)."""
         now = time.monotonic()
         return {
             "role": "prefill",
             "point": self.point.name,
-            "transfers": {
-                "in_flight": [{"rid": h.rid, "peer": h.peer.id, "xfers": len(h.xfers), "sent_pages": h.sent_pages,
-                               "age_s": round(now - min(x[3] for x in h.xfers), 3)}
-                              for h in self.handoffs.values() if h.xfers],
-                **self.stats,
-            },
-            "peers": [{"id": p.id, "kind": "decode", "agent": p.agent_name, "tp": p.manifest.tp,
-                       "requests": p.requests, "bytes_sent": p.bytes_sent, "healthy": p.alive,
-                       "connected_s": round(time.time() - p.connected_at, 1)} for p in self.peers.values()],
+            "transfers": S.Transfers(
+                in_flight=[S.InFlight(rid=h.rid, peer=h.peer, xfers=len(h.xfers), sent_pages=h.sent_pages,
+                                      age_s=round(now - min(x.t0 for x in h.xfers), 3))
+                           for h in self.handoffs.by_local.values() if h.xfers], **self.stats),
+            "peers": [S.Peer(id=p.id, kind="decode", agent=p.agent_name, tp=p.manifest.tp, requests=p.requests,
+                             bytes_sent=p.bytes_sent, healthy=p.alive,
+                             connected_s=round(time.time() - p.connected_at, 1)) for p in self.peers.values()],
         }
 
 

@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 
 
+from trnd import snapshot as SN
 from trnd.config import StoreConfig
 from trnd.store import protocol as S
 from trnd.store.index import COMMITTED, StoreIndex
@@ -292,29 +293,24 @@ class StoreServer:
 
     # -- inspection ---------------------------------------------------------------------------------
 
-    def state(self) -> dict:
+    def state(self) -> SN.State:
+        """The store's /admin/state (trnd/snapshot.py)."""
         idx = self.index
         stats = dataclasses.asdict(idx.stats) if idx is not None else {}
-        return {
-            "role": "store",
-            "store_id": self.store_id,
-            "uptime_s": round(time.time() - self.started, 1),
-            "memory_bytes": self.memory_bytes,
-            "slot_bytes": self.slot_bytes or None,
-            "slots": idx.counts() if idx is not None else {"total": 0, "free": 0, "used": 0, "reserved": 0,
-                                                            "dropped": 0, "pinned": 0},
-            "leases": len(idx.leases) if idx is not None else 0,
-            "reservations": len(idx.reservations) if idx is not None else 0,
-            "namespaces": idx.namespaces() if idx is not None else {},
-            "shape_from": self.shape_from,
-            "clients": [{"id": c.id, "name": c.name, "addr": c.addr, "namespace": c.ns,
-                         "connected_s": round(time.time() - c.connected_at, 1), **c.counters}
-                        for c in self.clients.values()],
-            "counters": {**stats, **self.counters,
-                         "verify_ms_avg": round(self.verify_ms["total"] / self.verify_ms["n"], 3)
-                         if self.verify_ms["n"] else None,
-                         "verify_ms_max": round(self.verify_ms["max"], 3)},
-        }
+        return SN.State(
+            role="store", store_id=self.store_id, uptime_s=round(time.time() - self.started, 1),
+            memory_bytes=self.memory_bytes, slot_bytes=self.slot_bytes or None,
+            slots=SN.Slots(**idx.counts()) if idx is not None else SN.Slots(),
+            leases=len(idx.leases) if idx is not None else 0,
+            reservations=len(idx.reservations) if idx is not None else 0,
+            namespaces=idx.namespaces() if idx is not None else {}, shape_from=self.shape_from,
+            clients=[SN.StoreClientView(id=c.id, name=c.name, addr=c.addr, namespace=c.ns,
+                                        connected_s=round(time.time() - c.connected_at, 1), **c.counters)
+                     for c in self.clients.values()],
+            counters={**stats, **self.counters,
+                      "verify_ms_avg": round(self.verify_ms["total"] / self.verify_ms["n"], 3)
+                      if self.verify_ms["n"] else None,
+                      "verify_ms_max": round(self.verify_ms["max"], 3)})
 
     def close(self) -> None:
         for c in list(self.clients.values()):

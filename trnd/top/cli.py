@@ -7,7 +7,7 @@ import asyncio
 import sys
 
 from trnd.top.client import CONFIG_DIR, Target, poll_all, resolve_targets
-from trnd.top.fmt import fmt_bytes, fmt_duration, fmt_rate, layout_text
+from trnd.top.fmt import fmt_bytes, fmt_duration, fmt_rate, integrity_text, layout_text
 from trnd.top.model import NodeTrack, sort_rows
 
 
@@ -77,9 +77,9 @@ def render_plain(tracks: list[NodeTrack], now: float = 0.0) -> str:
         step = t.step_ms()
         rows.append([t.name, t.role + (f" {t.known['point']}" if t.known.get("point") else ""),
                      str(t.known.get("model", "-")), layout_text(st, t.known),
-                     fmt_duration(st["uptime_s"]) if st else "-", t.status,
+                     fmt_duration(st.uptime_s) if st else "-", t.status,
                      f"{step:.1f}ms" if step is not None else "-", fmt_rate(t.rates.get("gen")),
-                     str(len(st.get("running", []))) if st else "-", str(len(st.get("waiting", []))) if st else "-",
+                     str(len(st.running or [])) if st else "-", str(len(st.waiting or [])) if st else "-",
                      t.note(now)])
     out += _table(["NODE", "ROLE", "MODEL", "TP", "UP", "STATE", "STEP", "TOK/S", "RUN", "WAIT", "NOTE"], rows,
                   {6, 7, 8, 9})
@@ -102,13 +102,12 @@ def render_plain(tracks: list[NodeTrack], now: float = 0.0) -> str:
             used = (tier.in_use + tier.cached) / tier.total if tier.total else 0.0
             out.append(f"cache {tier.name}: {tier.total} pages ({fmt_bytes(tier.page_bytes)} each): in use "
                        f"{tier.in_use}, cached {tier.cached}, free {tier.free} ({used:.0%} used){extra}")
-        rad = t.state.get("radix")
+        rad = t.state.radix
         if rad:
-            out.append(f"prefix cache: hit {rad.get('hit_rate', 0.0):.1%} ({rad.get('hit_tokens', 0)}/"
-                       f"{rad.get('query_tokens', 0)} tokens), evicted {rad.get('evicted_pages', 0)} pages, "
-                       f"{rad.get('nodes', 0)} nodes")
-        for label, figs in t.hot_prefixes()[:5]:
-            out.append(f"  hot: {label[:60]} ({figs})")
+            out.append(f"prefix cache: hit {rad.hit_rate:.1%} ({rad.hit_tokens}/{rad.query_tokens} tokens), "
+                       f"evicted {rad.evicted_pages} pages, {rad.nodes} nodes")
+        if t.state.integrity is not None:
+            out.append(integrity_text(t.state.integrity))
         counters, flights, peers = t.transfers()
         if counters:
             out.append("transfers: " + ", ".join(f"{k} {v}" for k, v in counters.items()))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 
+from trnd import snapshot as S
 from trnd.top.model import Poll
 
 DEFAULT_TARGET = "http://127.0.0.1:8000"
@@ -137,8 +138,10 @@ class Client:
         if state.status_code != 200:
             return Poll(None, ready=status, kind="error", error=_error_message(state))
         try:
-            body = state.json()
-        except ValueError:
+            body = S.decode(state.content)
+        except msgspec.ValidationError as e:
+            return Poll(None, ready=status, kind="error", error=f"/admin/state is not a trnd state: {e}")
+        except msgspec.DecodeError:
             return Poll(None, ready=status, kind="error", error="/admin/state is not JSON")
         return Poll(body, ready=status)
 

@@ -1,4 +1,4 @@
-"""How the console writes ids, durations, rates, sizes and sparklines."""
+"""How the console writes ids, durations, rates, sizes, sparklines and the page-pool check."""
 
 from __future__ import annotations
 
@@ -56,11 +56,18 @@ def sparkline(values: list[float], width: int) -> str:
     return "".join(blocks[min(7, int(v / top * 7.999))] for v in vals)
 
 
-def layout_text(st: dict | None, known: dict) -> str:
+def layout_text(st, known: dict) -> str:
     """TP degree and rank health: "2" or "2 (1 down)"."""
-    lay = (st or {}).get("layout") or {}
-    tp = lay.get("tp", known.get("tp"))
+    lay = st.layout if st is not None else None
+    tp = lay.tp if lay is not None and lay.tp is not None else known.get("tp")
     if tp is None:
         return "-"
-    down = sum(1 for r in lay.get("ranks", []) if not r.get("alive", True))
+    down = sum(1 for r in lay.ranks if not r.alive) if lay is not None else 0
     return f"{tp} ({down} down)" if down else str(tp)
+
+
+def integrity_text(i) -> str:
+    """The engine's idle-time page-pool check (snapshot.Integrity)."""
+    if i.ok:
+        return f"page pool check ok ({i.checks} checks, last {i.ms:.1f} ms)"
+    return f"page pool check FAILED ({i.failures} of {i.checks}): {i.error}"

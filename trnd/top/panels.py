@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.color import Color, ColorParseError
@@ -17,7 +18,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.widgets import DataTable, Static
 
-from trnd.top.fmt import fmt_bytes, fmt_duration, fmt_rate, layout_text, short_id, sparkline
+from trnd import snapshot as S
+from trnd.top.fmt import fmt_bytes, fmt_duration, fmt_rate, integrity_text, layout_text, short_id, sparkline
 from trnd.top.model import SORTS, NodeTrack, ReqRow, sort_rows
 
 STATUS_COLORS = {"ready": "text-success", "loading": "text-primary", "draining": "text-warning",
@@ -123,8 +125,8 @@ class NodesPanel(Vertical):
                 Keyed(t.name, t.name), Text(role if t.known else "-"),
                 paint(self, t.status, STATUS_COLORS.get(t.status, "foreground")),
                 num(fmt_rate(t.rates.get("gen")) if st else None), num(f"{step:.1f}ms" if step is not None else None),
-                num(f"{len(st.get('running', []))}+{len(st.get('waiting', []))}" if st else None),
-                num(fmt_duration(st["uptime_s"]) if st else None), Text(layout_text(st, t.known)),
+                num(f"{len(st.running or [])}+{len(st.waiting or [])}" if st else None),
+                num(fmt_duration(st.uptime_s) if st else None), Text(layout_text(st, t.known)),
                 Text(str(t.known.get("model", "-"))[:20]), paint(self, t.note(opts.now), "text-warning")]))
         sync_table(self.query_one(DataTable), rows)
         self.show_info()
@@ -148,23 +150,27 @@ def node_info(t: NodeTrack, now: float) -> Content:
                                note=t.note(now))
     if st is None:
         return head
-    lay = st.get("layout") or {}
-    ranks = " ".join(f"{r.get('rank')}{'✓' if r.get('alive', True) else '✗'}" for r in lay.get("ranks", []))
-    lim = st.get("limits") or {}
-    pg = st.get("pages") or {}
-    s = st.get("stats") or {}
+    lay = st.layout or S.Layout()
+    ranks = " ".join(f"{r.rank}{'✓' if r.alive else '✗'}" for r in lay.ranks)
+    lim = msgspec.structs.asdict(st.limits) if st.limits else {}
+    pg = st.pages
+    s = st.stats or S.Stats()
+
+    def shown(v) -> str:
+        return "-" if v is None else str(v)
     lines = [
-        f"{t.role} · {st.get('model', '?')}" + (f" · point {st['point']}" if st.get("point") else "")
-        + f" · up {fmt_duration(st.get('uptime_s'))}",
-        f"tp {lay.get('tp', '-')} · ranks {ranks or '-'} · kv heads/rank {lay.get('kv_heads_per_rank', '-')}",
+        f"{t.role} · {st.model or '?'}" + (f" · point {st.point}" if st.point else "")
+        + f" · up {fmt_duration(st.uptime_s)}",
+        f"tp {shown(lay.tp)} · ranks {ranks or '-'} · kv heads/rank {shown(lay.kv_heads_per_rank)}",
         " · ".join(f"{k} {v}" for k, v in lim.items()),
-        f"pages {pg.get('total', '-')} × {pg.get('page_size', '-')} tok ({fmt_bytes(pg.get('page_bytes'))})"
-        f" · running {len(st.get('running', []))} · waiting {len(st.get('waiting', []))}",
+        f"pages {shown(pg and pg.total)} × {shown(pg and pg.page_size)} tok ({fmt_bytes(pg and pg.page_bytes)})"
+        f" · running {len(st.running or [])} · waiting {len(st.waiting or [])}",
         f"decode {fmt_rate(t.rates.get('gen'))} tok/s · prefill {fmt_rate(t.rates.get('prefill'))} tok/s"
-        f" · last step {s.get('last_step_s', 0) * 1000:.1f} ms / {s.get('last_step_tokens', 0)} tok",
-        f"finished {s.get('finished', 0)} · aborted {s.get('aborted', 0)} · preemptions {s.get('preemptions', 0)}"
-        f" · steps {s.get('steps', 0)}",
+        f" · last step {s.last_step_s * 1000:.1f} ms / {s.last_step_tokens} tok",
+        f"finished {s.finished} · aborted {s.aborted} · preemptions {s.preemptions} · steps {s.steps}",
     ]
+    if st.integrity is not None:
+        lines.append(integrity_text(st.integrity))
     return Content("\n").join([head, *(Content(line) for line in lines)])
 
 
@@ -284,18 +290,13 @@ class CacheCard(Static):
                 lines.append(legend + Content(extra))
             else:
                 lines += [legend, Content(pad + extra.removeprefix(" · "))]
-        rad = t.state.get("radix")
+        rad = t.state.radix
         if rad:
             win = f" (recent {t.hit_window:.0%})" if t.hit_window is not None else ""
-            lines.append(Content(f"prefix hit {rad.get('hit_rate', 0.0):.1%}{win} · "
-                                 f"{rad.get('hit_tokens', 0)}/{rad.get('query_tokens', 0)} tok · "
-                                 f"evicted {rad.get('evicted_pages', 0)} · radix nodes {rad.get('nodes', 0)}"))
-        hot = t.hot_prefixes()
-        if hot:
-            lines.append(Content.from_markup("[$text-primary]hottest prefixes[/]"))
-            for label, figs in hot[:5]:
-                room = max(10, width - len(figs) - 4)
-                lines.append(Content(f"  {label[:room]:<{room}} {figs}"))
+            lines.append(Content(f"prefix hit {rad.hit_rate:.1%}{win} · {rad.hit_tokens}/{rad.query_tokens} tok · "
+                                 f"evicted {rad.evicted_pages} · radix nodes {rad.nodes}"))
+        if t.state.integrity is not None:
+            lines.append(Content(integrity_text(t.state.integrity)))
         return Content("\n").join(lines)
 
 

@@ -1,0 +1,294 @@
+"""The /admin/state schema: what every role says about itself, built here and read here.
+
+engine/state.py, roles/decode.py, roles/prefill.py and store/server.py build these Structs; api/app.py
+encodes them (fields a role does not have are left out); `trnd top` (top/model.py) decodes them and
+/metrics (api/metrics.py) reads them. Every field has a default, so a console reads an older or a
+newer server's state: missing fields take the default, unknown ones are ignored. A State leaves out
+what its role does not have (None); the parts below always carry every field.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _S(msgspec.Struct, kw_only=True):
+    pass
+
+
+# -- the engine -----------------------------------------------------------------------------------------
+
+class Request(_S):
+    id: str = "?"
+    session_id: str | None = None
+    state: str = "waiting"  # waiting | loading_kv (an L2 copy or an L3 read) | waiting_for_kv (a prefill peer)
+    #                         | prefilling | decoding
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    max_tokens: int = 0
+    pages: int = 0
+    tokens_per_s: float | None = None
+    age_s: float = 0.0
+    preemptions: int = 0
+
+
+class Pages(_S):
+    total: int = 0
+    free: int = 0
+    in_use: int = 0  # held by a request, a tier transfer or a role (a write in flight, a quarantine)
+    cached: int = 0  # held by the prefix cache only (evictable)
+    page_size: int | None = None
+    page_bytes: int | None = None
+
+
+class Radix(_S):
+    cached_pages: int = 0
+    evictable_pages: int = 0
+    protected_pages: int = 0
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    hit_rate: float = 0.0
+    evicted_pages: int = 0
+    nodes: int = 0
+
+
+class LoadMs(_S):
+    n: int = 0
+    p50: float | None = None
+    max: float | None = None
+
+
+class HostTier(_S):
+    """L2: host DRAM slots holding evicted (or written-through) pages."""
+    slots: int = 0
+    used: int = 0
+    free: int = 0
+    page_bytes: int | None = None
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    loaded: int = 0
+    evicted: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    load_ms: LoadMs | None = None
+    pinned_slots: int = 0
+    saves_in_flight: int = 0
+
+
+class StoreLink(_S):
+    """One L3 store as its client sees it."""
+    addr: str = "?"
+    healthy: bool = False
+    connected: bool = False
+    store_id: str | None = None
+    slots: int | None = None
+    error: str | None = None
+    refused: str | None = None
+    connects: int = 0
+    restarts: int = 0
+    skipped_s: float = 0.0
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    pages_loaded: int = 0
+    bytes_in: int = 0
+    pages_stored: int = 0
+    pages_present: int = 0
+    bytes_out: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    corrupt: int = 0
+
+
+class RemoteTier(_S):
+    """L3: the stores this role reads and writes (their fill only they know: see a store's own state)."""
+    stores: list[StoreLink] = []
+    lookups: int = 0
+    reads: int = 0
+    writes: int = 0
+    timeouts: int = 0
+    failures: int = 0
+    in_flight: int = 0
+    fenced_pages: int = 0
+    load_ms: LoadMs | None = None
+    writes_in_flight: int = 0
+    pages_written: int = 0
+
+
+class Tiers(_S):
+    policy: str | None = None
+    host: HostTier | None = None
+    remote: RemoteTier | None = None
+
+
+class Stats(_S):
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    loaded_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    last_step_s: float = 0.0
+    last_step_tokens: int = 0
+    started: float = 0.0
+
+
+class Rank(_S):
+    rank: int = 0
+    pid: int | None = None
+    alive: bool = True
+
+
+class Layout(_S):
+    tp: int | None = None
+    kv_heads_per_rank: int | None = None
+    ranks: list[Rank] = []
+
+
+class Limits(_S):
+    max_model_len: int | None = None
+    max_batch: int | None = None
+    token_budget: int | None = None
+    chunk_size: int | None = None
+
+
+class Integrity(_S):
+    """The page-pool check the engine loop runs whenever it goes idle (engine/state.py)."""
+    ok: bool = True
+    error: str | None = None  # the first broken invariant of the last failed check
+    checks: int = 0
+    failures: int = 0
+    at: float = 0.0  # wall-clock time of the last check
+    ms: float = 0.0
+    pages: Pages | None = None  # free, cached, in_use, total as the check counted them
+
+
+# -- disaggregated roles --------------------------------------------------------------------------------
+
+class InFlight(_S):
+    rid: str = "?"
+    peer: str | int = "?"  # decode: the prefill peer's address; prefill: the decode peer's id
+    notifs: int | None = None  # decode: chunk writes landed
+    fenced: bool = False  # decode: aborted, waiting for the peer's word
+    xfers: int | None = None  # prefill: writes in flight
+    sent_pages: int | None = None  # prefill
+    age_s: float = 0.0
+
+
+class Transfers(_S):
+    """KV handoff counters. decode: handoffs .. kv_pages_received; prefill: requests .. unauthenticated."""
+    in_flight: list[InFlight] = []
+    quarantined_pages: int | None = None
+    handoffs: int | None = None
+    retried: int | None = None
+    requests: int | None = None
+    xfers: int | None = None
+    bytes: int | None = None
+    post_ms: float | None = None
+    xfer_ms: float | None = None
+    failed: int | None = None
+    fenced: int | None = None
+    kv_pages_received: int | None = None
+    aborted: int | None = None
+    refused: int | None = None
+    unauthenticated: int | None = None
+
+
+class Peer(_S):
+    kind: str = ""  # "prefill" (a decode's peer) or "decode" (a prefill's peer)
+    addr: str | None = None
+    id: int | None = None
+    agent: str | None = None
+    healthy: bool | None = None
+    tp: int | None = None
+    requests: int | None = None
+    outstanding: int | None = None
+    load: int | None = None
+    bytes_sent: int | None = None
+    refused: str | None = None
+    error: str | None = None
+    connects: int | None = None
+    connected_s: float | None = None
+    last_seen_s: float | None = None
+
+
+# -- the L3 store ---------------------------------------------------------------------------------------
+
+class Slots(_S):
+    total: int = 0
+    free: int = 0
+    used: int = 0  # committed pages
+    reserved: int = 0  # being written
+    dropped: int = 0
+    pinned: int = 0  # leased to a reader
+
+
+class StoreClientView(_S):
+    """A role connected to this store."""
+    id: int = 0
+    name: str = ""
+    addr: str = ""
+    namespace: str = ""
+    connected_s: float = 0.0
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    reserved: int = 0
+    committed: int = 0
+    rejected: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    corrupt: int = 0
+
+
+# -- the whole state ------------------------------------------------------------------------------------
+
+class State(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A role's fields only: what it does not have is left out of the JSON."""
+    role: str = "?"  # serve | decode | prefill | store
+    model: str | None = None
+    point: str | None = None
+    uptime_s: float | None = None
+    draining: bool | None = None
+    # engine roles
+    running: list[Request] | None = None
+    waiting: list[Request] | None = None
+    pages: Pages | None = None
+    radix: Radix | None = None
+    tiers: Tiers | None = None
+    stats: Stats | None = None
+    layout: Layout | None = None
+    limits: Limits | None = None
+    integrity: Integrity | None = None
+    # disaggregated roles
+    transfers: Transfers | None = None
+    peers: list[Peer] | None = None
+    # the store
+    store_id: str | None = None
+    memory_bytes: int | None = None
+    slot_bytes: int | None = None
+    slots: Slots | None = None
+    leases: int | None = None
+    reservations: int | None = None
+    namespaces: dict[str, int] | None = None
+    shape_from: str | None = None
+    clients: list[StoreClientView] | None = None
+    counters: dict[str, float | None] | None = None
+
+
+def decode(obj: dict | bytes) -> State:
+    """A state from JSON bytes or a decoded JSON object."""
+    if isinstance(obj, (bytes, str)):
+        return msgspec.json.decode(obj, type=State)
+    return msgspec.convert(obj, State)
+
+
+def part(typ: type, obj: dict | None):
+    """Build one part from a subsystem's counters dict, checked against the schema here."""
+    return None if obj is None else msgspec.convert(obj, typ)
