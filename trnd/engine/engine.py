@@ -246,6 +246,11 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def load(self) -> int:
+        """Requests in the engine (running, parked, queued): what a peer balances on."""
+        return self.scheduler.num_active + len(self.scheduler.waiting)
+
     # -- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:

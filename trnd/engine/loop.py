@@ -21,6 +21,9 @@ from trnd.sampling_params import SamplingParams
 
 log = logging.getLogger("trnd.engine")
 
+IDLE_CHECK_S = 0.5  # the loop checks the page pool once it has had no work for this long ...
+CHECK_EVERY_S = 10.0  # ... and not more often than this
+
 
 class Unavailable(RuntimeError):
     """The server cannot take this request now (503 with Retry-After): overloaded, draining, or no
@@ -136,6 +139,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         checked = False  # the integrity check ran since the loop last had work
+        idle_since: float | None = None
+        last_check = float("-inf")
         try:
             while not self._stop.is_set():
                 self.last_progress = time.monotonic()
@@ -147,13 +152,20 @@ class EngineLoop:
                 busy = self.engine.poll()
                 busy = (self.poll() if self.poll else False) or busy
                 if not self.engine.has_work:
-                    if not busy and not checked:  # gone idle: check the page pool (engine/state.py)
+                    now = time.monotonic()
+                    if busy or checked:
+                        pass
+                    elif idle_since is None:
+                        idle_since = now
+                    elif now - idle_since >= IDLE_CHECK_S and now - last_check >= CHECK_EVERY_S:
+                        # idle for a while: check the page pool (engine/state.py; O(pages), so not in
+                        # the gaps of a burst, and not more often than CHECK_EVERY_S)
                         self.engine.check_when_idle()
-                        checked = True
+                        checked, last_check = True, now
                     self._wake.wait(0.001 if busy else 0.25)  # transfers in flight: poll every ms
                     self._wake.clear()
                     continue
-                checked = False
+                checked, idle_since = False, None
                 if self.stall_s:
                     time.sleep(self.stall_s)
                 for out in self.engine.step():
