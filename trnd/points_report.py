@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-memory-gb", type=float, default=1.0, help="the role's pool budget per rank (default 1)")
     args = ap.parse_args(argv)
     from trnd.backends import resolve_dtype
-    from trnd.roles.serve import resolve_model  # moves to trnd.model.maker with the architecture change
+    from trnd.model.maker import resolve_model
 
     model = resolve_model(args.model)
     dtype = resolve_dtype(args.dtype)[0] or "the checkpoint's"
