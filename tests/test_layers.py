@@ -155,3 +155,13 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
 def test_a_new_top_level_module_needs_a_room():
     with pytest.raises(AssertionError, match="in no room"):
         room("trnd.somewhere_new")
+
+
+def test_roles_reach_the_engine_only_through_its_contracts():
+    """A role drives the engine through Engine's methods and the parked contract (engine/parked.py),
+    never by editing the scheduler's queues, the engine's streams or stats, or the loop's private parts."""
+    reach = ("engine.scheduler.", "engine.streams", "engine.stats", "loop._", "scheduler.waiting",
+             "scheduler.running", "scheduler.parked")
+    bad = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "trnd" / "roles").glob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1) if any(r in line for r in reach)]
+    assert not bad, "\n".join(bad)
