@@ -15,7 +15,15 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-venv: $(BIN)/.installed
+# The compiled CPU kernels (kernels/cpu/build.py), built once here, never at request time. cpp_extension needs
+# ninja: the system's where there is one, else the PyPI wheel into the venv.
+KERNELS := kernels/cpu/build/.built
+$(KERNELS): $(BIN)/.installed $(wildcard kernels/cpu/csrc/*) kernels/cpu/build.py
+	command -v ninja >/dev/null || $(BIN)/pip install -q ninja
+	$(BIN)/python -m kernels.cpu.build
+	touch $@
+
+venv: $(BIN)/.installed $(KERNELS)
 
 serve: venv
 	$(BIN)/trnd serve $(ARGS)
@@ -27,4 +35,4 @@ test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis kernels/cpu/build

@@ -1,7 +1,7 @@
 """Ops the model calls, one dispatch point per backend.
 
-Each op has a torch reference here (the definition of correct, and the CPU backend). Accelerator
-backends (kernels/nki/ for Neuron, CUDA) replace individual entries where their kernels apply.
+Each op has a torch reference here (the definition of correct, and the CPU fallback). Backends replace
+individual entries where their kernels apply: kernels/cpu/ (compiled C++ for the CPU), kernels/nki/ (Neuron).
 """
 
 from __future__ import annotations
@@ -36,5 +36,7 @@ TORCH_OPS = Ops(
 
 def get_ops(backend: str = "cpu") -> Ops:
     if backend == "cpu":
-        return TORCH_OPS
+        from kernels.cpu import cpu_ops
+
+        return cpu_ops()
     raise ValueError(f"backend = {backend!r}: no ops registered (known: cpu)")

@@ -26,7 +26,11 @@ SDK_MODULES = ("torch_neuronx", "neuronxcc", "nki")
 def test_cpu_backend():
     b = get_backend("cpu")
     assert (b.name, b.device, b.available()) == ("cpu", "cpu", (True, ""))
-    assert b.ops is TORCH_OPS
+    # the compiled kernels where they are built for this CPU (tests/test_cpu_kernels.py), else the torch twins
+    from kernels.cpu import cpu_ops
+
+    assert b.ops is cpu_ops()
+    assert b.ops.rms_norm is TORCH_OPS.rms_norm and b.ops.apply_rotary is TORCH_OPS.apply_rotary
 
 
 def test_unknown_backend_names_the_choices():

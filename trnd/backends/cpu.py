@@ -1,10 +1,15 @@
-"""The default backend: the torch twins in kernels/ on the CPU. Always available; what CI runs.
+"""The default backend: the CPU. Always available; what CI runs.
 
 Every CPU fast path is chosen from what the running CPU supports (kernels/cpuinfo.py), never from
 what the build machine had: bf16 compute only where the CPU has bf16 dot products in hardware, oneDNN
-prepacking only where its bf16 reorder runs.
+prepacking only where its bf16 reorder runs, the compiled kernels of kernels/cpu/ in the build for this
+CPU's ISA where they are built (else the torch twins in kernels/; kernels.cpu.cpu_ops says which in one
+log line).
 """
 
+from functools import cached_property
+
+from kernels import Ops
 from kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack
 from trnd.backends.base import Backend
 
@@ -12,6 +17,12 @@ from trnd.backends.base import Backend
 class CPUBackend(Backend):
     name = "cpu"
     device = "cpu"
+
+    @cached_property
+    def ops(self) -> Ops:
+        from kernels.cpu import cpu_ops
+
+        return cpu_ops()
 
     def pick_dtype(self, requested: str | None) -> tuple[str | None, str]:
         """`auto` keeps a bf16 checkpoint in bf16 where the CPU computes bf16 natively (AVX-512 BF16 or
@@ -30,13 +41,24 @@ def cpu_paths(dtype: str, why: str) -> dict[str, str]:
     prepack = ("oneDNN bf16 prepacked" if onednn_bf16_prepack() else "F.linear (no oneDNN bf16 reorder on this CPU)") \
         if dtype == "bfloat16" else f"F.linear ({dtype})"
     return {"cpu": info.model, "flags": " ".join(f for f in RELEVANT if f in info.flags) or "none", "isa": info.isa,
-            "dtype": f"{dtype} ({why})", "linears": prepack}
+            "dtype": f"{dtype} ({why})", "linears": prepack, "attention": _attention_path()}
+
+
+def _attention_path() -> str:
+    from kernels import TORCH_OPS
+    from kernels.cpu import cpu_ops
+
+    ops = cpu_ops()
+    if ops is TORCH_OPS:
+        return "torch ops (gather + SDPA)"
+    c = ops.decode_attention.__self__
+    return f"compiled {c.lib.__name__}" + (" with dpbf16" if c.dpbf16 else "")
 
 
 def describe(dtype: str, why: str) -> str:
     """One line: the CPU, its relevant flags and the paths chosen."""
     p = cpu_paths(dtype, why)
-    return f"cpu: {cpu_info().summary()}; dtype {p['dtype']}; linears {p['linears']}"
+    return f"cpu: {cpu_info().summary()}; dtype {p['dtype']}; linears {p['linears']}; attention {p['attention']}"
 
 
 def report() -> list[str]:
@@ -56,4 +78,5 @@ def report() -> list[str]:
         f"{torch.get_num_threads()} threads",
         f"dtype:        {why}",
         f"bf16 linears: {bf16['linears']}",
+        f"attention:    {paths['attention']}",
     ]

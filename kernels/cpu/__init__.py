@@ -1,0 +1,131 @@
+"""The compiled CPU kernels (csrc/, built at install by build.py) as entries of the CPU backend's Ops table.
+
+`cpu_ops()` picks the build for the running CPU (kernels/cpuinfo.py: AVX-512 where present, with dpbf16
+where avx512_bf16 is, else AVX2 + FMA) and says in one log line what it uses, or why it falls back to the
+torch ops (no build, a build for another torch, a CPU below AVX2, TRND_CPU_KERNELS=0). Each entry also
+falls back to its torch twin for inputs the kernel does not take (another dtype, device or head_dim), so
+the table is always complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from functools import lru_cache
+
+import torch
+
+from kernels import TORCH_OPS, Ops, attention
+from kernels.cpuinfo import CpuInfo, cpu_info
+
+log = logging.getLogger("trnd.kernels")
+
+ENV = "TRND_CPU_KERNELS"  # "0" turns the compiled kernels off (to measure or bisect against the torch ops)
+MAX_HEAD_DIM = MAX_PAGE = 256  # csrc/attention.cpp's MAX_D, MAX_P
+# Chunks up to this many query tokens go through the decode kernel (one row per query token); longer ones
+# to torch's flash kernel, which tiles the queries (measured in docs/RESULTS.md).
+PREFILL_MAX_Q = 8
+
+
+def variant_for(info: CpuInfo) -> str | None:
+    if info.isa in ("avx512", "avx512_bf16"):
+        return "trnd_avx512"
+    if info.isa == "avx2":
+        return "trnd_avx2"
+    return None
+
+
+def load_library(name: str) -> tuple[object | None, str]:
+    """torch.ops.<name> with its ops loaded, or None and why not."""
+    from kernels.cpu import build
+
+    path, stamp = build.library_path(name), build.stamp_path(name)
+    if not path.exists():
+        return None, f"{path} is not built (`python -m kernels.cpu.build` does, `make venv` runs it)"
+    built_for = stamp.read_text().strip() if stamp.exists() else "an unknown torch"
+    if built_for != torch.__version__:
+        return None, f"{path} was built for torch {built_for}, this is {torch.__version__}: rebuild it"
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as e:
+        return None, f"{path} does not load ({e})"
+    _register_fakes(name)
+    return getattr(torch.ops, name), ""
+
+
+_FAKES: set[str] = set()
+
+
+def _register_fakes(name: str) -> None:
+    """Shapes for tracing (engine/static.py compiles the model with dynamo): the ops are opaque there."""
+    if name in _FAKES:
+        return
+    _FAKES.add(name)
+    torch.library.register_fake(f"{name}::decode_attention")(
+        lambda q, kv, layer, pages, ctx, scale, split_pages, dpbf16: q.new_empty(q.shape))
+    torch.library.register_fake(f"{name}::write_kv")(lambda kv, layer, k, v, page_ids, offsets: None)
+
+
+class CompiledOps:
+    """The Ops entries over one build's torch ops; the torch twin where the kernel does not apply."""
+
+    def __init__(self, lib, dpbf16: bool):
+        self.lib, self.dpbf16 = lib, dpbf16
+
+    @staticmethod
+    def takes(q: torch.Tensor, kv: torch.Tensor) -> bool:
+        return (q.device.type == "cpu" and q.dtype == kv.dtype and kv.dtype in (torch.float32, torch.bfloat16)
+                and kv.shape[5] % 16 == 0 and kv.shape[5] <= MAX_HEAD_DIM and kv.shape[4] <= MAX_PAGE)
+
+    def write_kv(self, kv, layer, k, v, meta) -> None:
+        if not self.takes(k, kv):
+            return attention.write_kv(kv, layer, k, v, meta)
+        self.lib.write_kv(kv, layer, k, v, meta.page_ids, meta.offsets)
+
+    def decode_attention(self, q, kv, layer, meta, scale):
+        if not self.takes(q, kv):
+            return attention.decode_attention(q, kv, layer, meta, scale)
+        return self.lib.decode_attention(q, kv, layer, meta.decode_pages, meta.decode_ctx, scale, 0,
+                                         self.dpbf16 and kv.dtype == torch.bfloat16)
+
+    def prefill_attention(self, q, k_new, v_new, kv, layer, seq, page_size, scale):
+        """A short chunk (its K/V already in the pages: the model writes before it attends) as decode rows:
+        query i of the chunk attends the sequence's pages up to its own position."""
+        if seq.q_len > PREFILL_MAX_Q or not self.takes(q, kv):
+            return attention.prefill_attention(q, k_new, v_new, kv, layer, seq, page_size, scale)
+        prior = seq.ctx_len - seq.q_len
+        ctx = torch.arange(prior + 1, seq.ctx_len + 1, dtype=torch.long)
+        pages = seq.pages[None].expand(seq.q_len, -1)
+        return self.lib.decode_attention(q, kv, layer, pages, ctx, scale, 0,
+                                         self.dpbf16 and kv.dtype == torch.bfloat16)
+
+
+def compiled(name: str, dpbf16: bool = False) -> Ops:
+    """The Ops table with one build's kernels in (raises if it is not loadable): tests load each build."""
+    lib, why = load_library(name)
+    if lib is None:
+        raise RuntimeError(why)
+    c = CompiledOps(lib, dpbf16)
+    return replace(TORCH_OPS, write_kv=c.write_kv, decode_attention=c.decode_attention,
+                   prefill_attention=c.prefill_attention)
+
+
+@lru_cache(maxsize=1)
+def cpu_ops() -> Ops:
+    """The CPU backend's table: the compiled kernels for this CPU where they load, else the torch ops."""
+    info = cpu_info()
+    name = variant_for(info)
+    why = ""
+    if os.environ.get(ENV, "1").strip() == "0":
+        why = f"{ENV}=0"
+    elif name is None:
+        why = f"the CPU has no AVX2 + FMA ({info.summary()})"
+    if not why:
+        lib, why = load_library(name)
+    if why:
+        log.info("cpu kernels: not used (%s); the torch ops run", why)
+        return TORCH_OPS
+    dpbf16 = info.isa == "avx512_bf16"
+    log.info("cpu kernels: %s%s on %s", name, " with dpbf16" if dpbf16 else "", info.summary())
+    return compiled(name, dpbf16)

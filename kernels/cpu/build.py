@@ -1,0 +1,76 @@
+"""Build the compiled CPU kernels once, at install (`make venv` runs `python -m kernels.cpu.build`).
+
+One source (csrc/attention.cpp), one shared library per ISA level, each registering its ops in its own
+namespace (torch.ops.trnd_avx2, torch.ops.trnd_avx512) so both can be loaded in one process (the tests
+compare them). The flags name ISA levels explicitly, never -march=native: a build made on an AVX-512 host
+must still run on an AVX2-only one. The AVX-512 build is made on every host (it only needs the compiler),
+and is loaded only where kernels/cpuinfo.py finds AVX-512.
+
+Each library lands in kernels/cpu/build/<name>/ with a stamp of the torch version it was built against;
+kernels/cpu/__init__.py loads nothing whose stamp does not match (the C++ ABI is torch's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE / "csrc"
+BUILD = Path(os.environ.get("TRND_KERNELS_BUILD", HERE / "build"))
+
+# name -> compiler flags. avx512 carries avx512bf16 only inside the functions that use it (target attribute).
+VARIANTS = {
+    "trnd_avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "trnd_avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+
+
+def library_path(name: str) -> Path:
+    return BUILD / name / f"{name}.so"
+
+
+def stamp_path(name: str) -> Path:
+    return BUILD / name / "torch_version"
+
+
+def build(name: str, verbose: bool = False) -> Path:
+    import torch
+    from torch.utils import cpp_extension
+
+    # ninja from the venv (the Makefile installs the PyPI wheel there when the system has none)
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    out = BUILD / name
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name, sources=[str(SRC / "attention.cpp")], extra_include_paths=[str(SRC)],
+        extra_cflags=COMMON + VARIANTS[name] + [f"-DTRND_LIB={name}"], extra_ldflags=["-fopenmp"],
+        build_directory=str(out), is_python_module=False, verbose=verbose)
+    stamp_path(name).write_text(torch.__version__)
+    return library_path(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kernels.cpu.build", description=__doc__.splitlines()[0])
+    ap.add_argument("--clean", action="store_true", help="remove earlier builds first")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        print("kernels.cpu.build: no C++ compiler (g++); the engine will use the torch ops", file=sys.stderr)
+        return 0
+    if args.clean:
+        shutil.rmtree(BUILD, ignore_errors=True)
+    for name in VARIANTS:
+        t = time.monotonic()
+        path = build(name, verbose=args.verbose)
+        print(f"kernels.cpu.build: {path} ({time.monotonic() - t:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+// Paged attention over trnd's KV pool, read in place: kv[page, layer, k|v, kv_head, slot, head_dim]
+// (kernels/attention.py says why page-major). Torch references: kernels/attention.py (the test oracle).
+//
+// decode_attention: per work item (sequence b, KV head h, a range of its context) the G query heads of that
+// KV head go through the range's pages together, so each K/V row is loaded once for all of them; scores
+// and the online softmax are fp32 (K/V widened from bf16 on load, or dotted natively with dpbf16). Long
+// contexts are split into several items when there are fewer items than threads can balance; their
+// partial (unnormalized output, max, sum) are merged by log-sum-exp afterwards. No page is copied and
+// no mask is built: each item reads only the slots below its sequence's context length.
+//
+// write_kv: one pass copying each token's K and V rows into its (page, slot).
+//
+// Compiled twice (build.py): AVX2 + FMA and AVX-512; TRND_LIB names the op namespace of each build.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace trnd {
+namespace {
+
+constexpr int64_t MAX_D = 256;  // head_dim
+constexpr int64_t MAX_P = 256;  // page size
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+struct Pool {  // the strides of a contiguous kv[page, layer, 2, Hk, P, D]
+  int64_t hk, P, D, layer_stride, page_stride;
+  Pool(const at::Tensor& kv)
+      : hk(kv.size(3)), P(kv.size(4)), D(kv.size(5)), layer_stride(2 * hk * P * D),
+        page_stride(kv.size(1) * layer_stride) {}
+};
+
+// The running state of GB query rows of one KV head: unnormalized output o, running max m, running sum l.
+template <int GB>
+struct Rows {
+  alignas(64) float q[GB * MAX_D];  // the query rows in fp32, pre-scaled (zeros past the real rows)
+  alignas(64) bf16 qb[GB * MAX_D];  // the same rows unscaled in bf16, for the dpbf16 path
+  alignas(64) float s[GB * MAX_P];  // one page's scores, then its probabilities
+  alignas(64) float o[GB * MAX_D];
+  float m[GB], l[GB];
+};
+
+// s[g][j] = scale * sum(a[g]) for the GB rows; four rows at a time where there are four.
+template <int GB, typename V>
+inline void store_sums(Rows<GB>& r, const V* a, int64_t j, float scale) {
+  if constexpr (GB >= 4) {
+#pragma GCC unroll 2
+    for (int g = 0; g < GB; g += 4) {
+      alignas(16) float t[4];
+      _mm_store_ps(t, _mm_mul_ps(vsum4(a[g], a[g + 1], a[g + 2], a[g + 3]), _mm_set1_ps(scale)));
+      for (int i = 0; i < 4; ++i) r.s[(g + i) * MAX_P + j] = t[i];
+    }
+  } else {
+    for (int g = 0; g < GB; ++g) r.s[g * MAX_P + j] = vsum(a[g]) * scale;
+  }
+}
+
+// Scores of rows x tokens [j0, j1) of one page: s[g][j - j0] = q[g] . K[j] (q pre-scaled).
+template <typename T, int GB>
+inline void scores(Rows<GB>& r, const T* K, int64_t D, int64_t j0, int64_t j1) {
+  const int64_t nc = D / W;
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* kr = K + j * D;
+    vf a[GB];
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) a[g] = vzero();
+    for (int64_t c = 0; c < nc; ++c) {
+      vf k = vload(kr + c * W);
+#pragma GCC unroll 8
+      for (int g = 0; g < GB; ++g) a[g] = vfma(vload(r.q + g * D + c * W), k, a[g]);
+    }
+    store_sums<GB>(r, a, j - j0, 1.0f);
+  }
+}
+
+#if defined(__AVX512F__)
+// The same with AVX-512 BF16's dot product of bf16 pairs (32 products per instruction, fp32 accumulate):
+// called only where kernels/cpuinfo.py found avx512_bf16, and only for bf16 K.
+template <int GB>
+__attribute__((target("avx512bf16"))) void scores_dpbf16(Rows<GB>& r, const bf16* K, int64_t D, int64_t j0,
+                                                        int64_t j1, float scale) {
+  const int64_t nc = D / 32;
+  for (int64_t j = j0; j < j1; ++j) {
+    const bf16* kr = K + j * D;
+    __m512 a[GB];
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      __m512bh k = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+#pragma GCC unroll 8
+      for (int g = 0; g < GB; ++g)
+        a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_loadu_si512(r.qb + g * D + c * 32), k);
+    }
+    store_sums<GB>(r, a, j - j0, scale);
+  }
+}
+#endif
+
+// Fold one page's scores (n of them per row) into the running softmax; leaves probabilities in r.s.
+template <int GB>
+inline void softmax_step(Rows<GB>& r, int64_t D, int64_t n) {
+  const int64_t np = (n + W - 1) / W * W;
+  for (int g = 0; g < GB; ++g) {
+    float* s = r.s + g * MAX_P;
+    for (int64_t j = n; j < np; ++j) s[j] = NEG_INF;
+    vf mx = vset(NEG_INF);
+    for (int64_t j = 0; j < np; j += W) mx = vmax(mx, vload(s + j));
+    const float m_new = std::max(r.m[g], vhmax(mx));
+    const float corr = r.m[g] == NEG_INF ? 0.0f : std::exp(r.m[g] - m_new);
+    const vf vm = vset(m_new);
+    vf sum = vzero();
+    for (int64_t j = 0; j < np; j += W) {
+      vf p = vexp(vsub(vload(s + j), vm));
+      vstore(s + j, p);
+    }
+    for (int64_t j = n; j < np; ++j) s[j] = 0.0f;
+    for (int64_t j = 0; j < np; j += W) sum = vadd(sum, vload(s + j));
+    r.l[g] = r.l[g] * corr + vsum(sum);
+    r.m[g] = m_new;
+    if (corr != 1.0f) {
+      const vf vc = vset(corr);
+      float* o = r.o + g * D;
+      for (int64_t c = 0; c < D; c += W) vstore(o + c, vmul(vload(o + c), vc));
+    }
+  }
+}
+
+// o[g] += sum_j p[g][j] V[j0 + j], accumulators held in registers across the page's rows.
+template <typename T, int GB>
+inline void accumulate(Rows<GB>& r, const T* V, int64_t D, int64_t j0, int64_t n) {
+  for (int64_t c = 0; c < D; c += W) {
+    vf a[GB];
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) a[g] = vload(r.o + g * D + c);
+    for (int64_t j = 0; j < n; ++j) {
+      vf v = vload(V + (j0 + j) * D + c);
+#pragma GCC unroll 8
+      for (int g = 0; g < GB; ++g) a[g] = vfma(vset(r.s[g * MAX_P + j]), v, a[g]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) vstore(r.o + g * D + c, a[g]);
+  }
+}
+
+struct Item {
+  int64_t b, h, t0, t1, part;  // sequence, KV head, context tokens [t0, t1), partial slot (-1: final)
+};
+
+struct Args {
+  const void* q;
+  int64_t q_s0, q_s1;  // strides of q [B, Hq, D] (the last is 1)
+  const void* kv;
+  Pool pool;
+  int64_t layer;
+  const int64_t* pages;
+  int64_t pages_s0, pages_s1;
+  int64_t G;
+  float scale;
+  bool dpbf16;
+};
+
+// Runs query heads [h G + g0, h G + g0 + gn) of one item (gn <= GB) and hands each row's state to `emit`.
+template <typename T, int GB, typename Emit>
+void run_rows(const Args& a, const Item& it, int64_t g0, int64_t gn, Emit&& emit) {
+  const Pool& p = a.pool;
+  const int64_t D = p.D, P = p.P;
+  Rows<GB> r;
+  const T* q = static_cast<const T*>(a.q) + it.b * a.q_s0 + (it.h * a.G + g0) * a.q_s1;
+  for (int g = 0; g < GB; ++g) {
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = g < gn ? static_cast<float>(q[g * a.q_s1 + d]) : 0.0f;
+      r.q[g * D + d] = x * a.scale;
+      r.qb[g * D + d] = bf16(x);
+      r.o[g * D + d] = 0.0f;
+    }
+    r.m[g] = NEG_INF;
+    r.l[g] = 0.0f;
+  }
+  const T* kv = static_cast<const T*>(a.kv);
+  const int64_t* table = a.pages + it.b * a.pages_s0;
+  for (int64_t pi = it.t0 / P; pi * P < it.t1; ++pi) {
+    const int64_t page = table[pi * a.pages_s1];
+    const T* K = kv + page * p.page_stride + a.layer * p.layer_stride + it.h * P * D;
+    const T* V = K + p.hk * P * D;
+    const int64_t j0 = std::max<int64_t>(it.t0 - pi * P, 0), j1 = std::min<int64_t>(it.t1 - pi * P, P);
+    if ((pi + 1) * P < it.t1) {  // the next page is anywhere in the pool: start loading it now
+      const char* nk = reinterpret_cast<const char*>(kv + table[(pi + 1) * a.pages_s1] * p.page_stride +
+                                                     a.layer * p.layer_stride + it.h * P * D);
+      const int64_t bytes = P * D * static_cast<int64_t>(sizeof(T));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        _mm_prefetch(nk + off, _MM_HINT_T0);
+        _mm_prefetch(nk + p.hk * bytes + off, _MM_HINT_T0);
+      }
+    }
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (a.dpbf16 && D % 32 == 0) scores_dpbf16<GB>(r, K, D, j0, j1, a.scale);
+      else scores<T, GB>(r, K, D, j0, j1);
+    } else {
+      scores<T, GB>(r, K, D, j0, j1);
+    }
+#else
+    scores<T, GB>(r, K, D, j0, j1);
+#endif
+    softmax_step<GB>(r, D, j1 - j0);
+    accumulate<T, GB>(r, V, D, j0, j1 - j0);
+  }
+  for (int64_t g = 0; g < gn; ++g) emit(g0 + g, r.o + g * D, r.m[g], r.l[g]);
+}
+
+template <typename T, int GB>
+void run_item(const Args& a, const Item& it, T* out, int64_t out_s0, float* part_o, float* part_ml) {
+  const int64_t D = a.pool.D;
+  for (int64_t g0 = 0; g0 < a.G; g0 += GB) {
+    run_rows<T, GB>(a, it, g0, std::min<int64_t>(GB, a.G - g0), [&](int64_t g, const float* o, float m, float l) {
+      if (it.part < 0) {
+        T* dst = out + it.b * out_s0 + (it.h * a.G + g) * D;
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+      } else {
+        std::memcpy(part_o + (it.part * a.G + g) * D, o, D * sizeof(float));
+        part_ml[(it.part * a.G + g) * 2] = m;
+        part_ml[(it.part * a.G + g) * 2 + 1] = l;
+      }
+    });
+  }
+}
+
+template <typename T>
+void run_item_any(const Args& a, const Item& it, T* out, int64_t out_s0, float* part_o, float* part_ml) {
+  // GB: query rows per pass, the smallest of 1, 2, 4, 8 that holds the group (larger groups take passes of 8)
+  if (a.G == 1) run_item<T, 1>(a, it, out, out_s0, part_o, part_ml);
+  else if (a.G == 2) run_item<T, 2>(a, it, out, out_s0, part_o, part_ml);
+  else if (a.G <= 4) run_item<T, 4>(a, it, out, out_s0, part_o, part_ml);
+  else run_item<T, 8>(a, it, out, out_s0, part_o, part_ml);
+}
+
+template <typename T>
+void decode(const Args& a, const std::vector<Item>& items, const std::vector<int64_t>& first_part,
+            const std::vector<int64_t>& nsplit, int64_t B, at::Tensor& out, int64_t nparts) {
+  const int64_t D = a.pool.D, hk = a.pool.hk, G = a.G;
+  std::vector<float> part_o(nparts * G * D), part_ml(nparts * G * 2);
+  T* o = out.data_ptr<T>();
+  const int64_t out_s0 = out.stride(0);
+  const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) run_item_any<T>(a, items[i], o, out_s0, part_o.data(), part_ml.data());
+  if (nparts == 0) return;
+  // merge the splits of each (sequence, KV head) by log-sum-exp
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t bh = 0; bh < B * hk; ++bh) {
+    const int64_t b = bh / hk, h = bh % hk, S = nsplit[b];
+    if (S <= 1) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = NEG_INF;
+      for (int64_t s = 0; s < S; ++s) mx = std::max(mx, part_ml[((first_part[bh] + s) * G + g) * 2]);
+      float acc[MAX_D] = {0.0f}, l = 0.0f;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t row = (first_part[bh] + s) * G + g;
+        const float w = std::exp(part_ml[row * 2] - mx);
+        l += w * part_ml[row * 2 + 1];
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * part_o[row * D + d];
+      }
+      T* dst = o + b * out_s0 + (h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] / l);
+    }
+  }
+}
+
+void check_pool(const at::Tensor& kv, int64_t layer) {
+  TORCH_CHECK(kv.dim() == 6, "kv: want [pages, layers, 2, kv_heads, page_size, head_dim], got ", kv.sizes());
+  TORCH_CHECK(kv.is_contiguous(), "kv: the pool must be contiguous");
+  TORCH_CHECK(kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16,
+              "kv: float32 or bfloat16, got ", kv.scalar_type());
+  TORCH_CHECK(0 <= layer && layer < kv.size(1), "layer ", layer, " outside the pool's ", kv.size(1), " layers");
+  TORCH_CHECK(kv.size(5) % 16 == 0 && kv.size(5) <= MAX_D, "head_dim ", kv.size(5), ": want a multiple of 16, <= ",
+              MAX_D);
+  TORCH_CHECK(kv.size(4) <= MAX_P, "page_size ", kv.size(4), " > ", MAX_P);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& pages,
+                            const at::Tensor& ctx, double scale, int64_t split_pages, bool dpbf16) {
+  check_pool(kv, layer);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kv.size(5) && q.stride(2) == 1, "q: want [B, Hq, head_dim] with unit "
+              "stride in head_dim, got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q is ", q.scalar_type(), ", the pool ", kv.scalar_type());
+  const int64_t B = q.size(0), hq = q.size(1), hk = kv.size(3), P = kv.size(4);
+  TORCH_CHECK(hq % hk == 0, hq, " query heads are not a multiple of ", hk, " KV heads");
+  TORCH_CHECK(pages.scalar_type() == at::kLong && pages.dim() == 2 && pages.size(0) == B,
+              "pages: want int64 [B, width], got ", pages.scalar_type(), " ", pages.sizes());
+  TORCH_CHECK(ctx.scalar_type() == at::kLong && ctx.dim() == 1 && ctx.size(0) == B && ctx.is_contiguous(),
+              "ctx: want contiguous int64 [B]");
+  auto out = at::empty({B, hq, kv.size(5)}, q.options());
+  if (B == 0) return out;
+  const int64_t* c = ctx.data_ptr<int64_t>();
+  const int64_t* tab = pages.data_ptr<int64_t>();
+  const int64_t width = pages.size(1), num_pages = kv.size(0);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(c[b] >= 1 && c[b] <= width * P, "ctx[", b, "] = ", c[b], ": outside 1 .. ", width * P,
+                " (the page table's width x page_size)");
+    for (int64_t pi = 0; pi * P < c[b]; ++pi) {
+      const int64_t pg = tab[b * pages.stride(0) + pi * pages.stride(1)];
+      TORCH_CHECK(0 <= pg && pg < num_pages, "pages[", b, ", ", pi, "] = ", pg, ": outside the pool's ",
+                  num_pages, " pages");
+    }
+    total += c[b];
+  }
+  // Split length: whole pages; by default long enough that splitting only happens when there are too few
+  // (sequence, KV head) items to keep every thread busy, and never below 512 tokens.
+  int64_t split_len;
+  if (split_pages > 0) {
+    split_len = split_pages * P;
+  } else {
+    const int64_t threads = std::max(1, omp_get_max_threads());
+    const int64_t target = std::max<int64_t>(512, (total * hk + 2 * threads - 1) / (2 * threads));
+    split_len = (target + P - 1) / P * P;
+  }
+  std::vector<Item> items;
+  std::vector<int64_t> first_part(B * hk, -1), nsplit(B);
+  int64_t nparts = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t S = (c[b] + split_len - 1) / split_len;
+    nsplit[b] = S;
+    for (int64_t h = 0; h < hk; ++h) {
+      if (S > 1) first_part[b * hk + h] = nparts;
+      for (int64_t s = 0; s < S; ++s)
+        items.push_back({b, h, s * split_len, std::min(c[b], (s + 1) * split_len), S > 1 ? nparts++ : -1});
+    }
+  }
+  Args a{q.data_ptr(), q.stride(0), q.stride(1), kv.data_ptr(), Pool(kv), layer, tab, pages.stride(0),
+         pages.stride(1), hq / hk, static_cast<float>(scale), dpbf16};
+#if !defined(__AVX512F__)
+  TORCH_CHECK(!dpbf16, "dpbf16 needs the AVX-512 build");
+#endif
+  if (kv.scalar_type() == at::kFloat) decode<float>(a, items, first_part, nsplit, B, out, nparts);
+  else decode<bf16>(a, items, first_part, nsplit, B, out, nparts);
+  return out;
+}
+
+void write_kv(at::Tensor& kv, int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& page_ids,
+              const at::Tensor& offsets) {
+  check_pool(kv, layer);
+  const int64_t T = k.size(0), hk = kv.size(3), P = kv.size(4), D = kv.size(5);
+  for (const at::Tensor* x : {&k, &v}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == hk && x->size(2) == D && x->stride(2) == 1,
+                "k, v: want [T, ", hk, ", ", D, "] with unit stride in head_dim, got ", x->sizes());
+    TORCH_CHECK(x->scalar_type() == kv.scalar_type(), "k/v are ", x->scalar_type(), ", the pool ", kv.scalar_type());
+  }
+  TORCH_CHECK(page_ids.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && page_ids.numel() == T &&
+              offsets.numel() == T && page_ids.is_contiguous() && offsets.is_contiguous(),
+              "page_ids, offsets: want contiguous int64 [T]");
+  const int64_t* pg = page_ids.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(0 <= pg[t] && pg[t] < kv.size(0) && 0 <= off[t] && off[t] < P, "token ", t, ": page ", pg[t],
+                " slot ", off[t], " outside the pool");
+  const Pool p(kv);
+  const int64_t elt = kv.element_size();
+  char* base = static_cast<char*>(kv.data_ptr());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), v0 = v.stride(0), v1 = v.stride(1);
+#pragma omp parallel for if (T * hk >= 512)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < hk; ++h) {
+      char* dst = base + (pg[t] * p.page_stride + layer * p.layer_stride + (h * P + off[t]) * D) * elt;
+      std::memcpy(dst, ks + (t * k0 + h * k1) * elt, D * elt);
+      std::memcpy(dst + hk * P * D * elt, vs + (t * v0 + h * v1) * elt, D * elt);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace trnd
+
+#define TRND_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define TRND_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+TRND_LIBRARY(TRND_LIB, m) {
+  m.def("decode_attention(Tensor q, Tensor kv, int layer, Tensor pages, Tensor ctx, float scale, int split_pages, "
+        "bool dpbf16) -> Tensor");
+  m.def("write_kv(Tensor(a!) kv, int layer, Tensor k, Tensor v, Tensor page_ids, Tensor offsets) -> ()");
+}
+
+TRND_LIBRARY_IMPL(TRND_LIB, CPU, m) {
+  m.impl("decode_attention", &trnd::decode_attention);
+  m.impl("write_kv", &trnd::write_kv);
+}

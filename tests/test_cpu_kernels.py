@@ -1,0 +1,250 @@
+"""The compiled CPU kernels (kernels/cpu/) against their torch references (kernels/attention.py), for each
+ISA build the host can run: AVX2 + FMA on any x86 host with it, AVX-512 and its dpbf16 path only where the
+CPU has them (skipped with the reason elsewhere). The engine on the CPU backend uses these kernels, so the
+engine tests (test_engine_vs_hf.py) run them too; here they are also checked for being the ones in use."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import TORCH_OPS, attention
+from kernels import cpu as kcpu
+from kernels.attention import AttnMeta, PrefillSeq
+from kernels.cpuinfo import cpu_info
+
+HOST = cpu_info()
+HOST_LEVEL = ("default", "avx2", "avx512", "avx512_bf16").index(HOST.isa)
+
+BUILDS = [
+    pytest.param(("trnd_avx2", False), id="avx2",
+                 marks=pytest.mark.skipif(HOST_LEVEL < 1, reason=f"no AVX2 + FMA here ({HOST.summary()})")),
+    pytest.param(("trnd_avx512", False), id="avx512",
+                 marks=pytest.mark.skipif(HOST_LEVEL < 2, reason=f"no AVX-512 here ({HOST.summary()})")),
+    pytest.param(("trnd_avx512", True), id="avx512-dpbf16",
+                 marks=pytest.mark.skipif(HOST_LEVEL < 3, reason=f"no avx512_bf16 here ({HOST.summary()})")),
+]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(params=BUILDS)
+def build(request):
+    name, dpbf16 = request.param
+    lib, why = kcpu.load_library(name)
+    assert lib is not None, why  # built by `make venv` / `make test`: a missing build is a failure here
+    return name, lib, dpbf16
+
+
+def tol(dtype):
+    # fp32: the kernel and the reference differ only in summation order. bf16: the kernel computes in fp32
+    # from the bf16 inputs and rounds its output once; the oracle runs on the same values upcast to fp32.
+    return dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.5e-2, rtol=1e-2)
+
+
+def ragged_case(ctxs, group, page_size, head_dim, dtype, kv_heads=2, layers=3, seed=0):
+    """A pool of noise (a slot read past a context changes the result), pages scattered over it, each
+    sequence's table padded with its first page to the batch's width."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // page_size) for c in ctxs]
+    num_pages = sum(need) + 5
+    kv = torch.randn(num_pages, layers, 2, kv_heads, page_size, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n])
+        at += n
+    width = max(need)
+    pages = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
+    q = torch.randn(len(ctxs), kv_heads * group, head_dim, generator=g).to(dtype)
+    return q, kv, pages, torch.tensor(ctxs)
+
+
+def reference_decode(q, kv, layer, pages, ctx, scale):
+    meta = AttnMeta(None, None, q.shape[0], pages, ctx, [])
+    return attention.decode_attention(q.float(), kv.float(), layer, meta, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+def test_decode_attention_matches_reference(build, group, page_size, head_dim, dtype):
+    name, lib, dpbf16 = build
+    p = page_size
+    ctxs = [1, p - 1, p, p + 1, 3 * p + 5, 7 * p - 2]  # one token, mid-page ends, exact page ends, ragged
+    q, kv, pages, ctx = ragged_case(ctxs, group, p, head_dim, dtype)
+    scale = head_dim ** -0.5
+    want = reference_decode(q, kv, 1, pages, ctx, scale)
+    got = lib.decode_attention(q, kv, 1, pages, ctx, scale, 0, dpbf16)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("split_pages", [1, 2, 3])
+def test_split_kv_merges_to_the_same_result(build, split_pages, dtype):
+    """Every context cut into ranges of split_pages pages, the partial results merged by log-sum-exp."""
+    name, lib, dpbf16 = build
+    q, kv, pages, ctx = ragged_case([5, 16, 17, 100, 250], 4, 16, 64, dtype, seed=1)
+    want = reference_decode(q, kv, 2, pages, ctx, 0.125)
+    whole = lib.decode_attention(q, kv, 2, pages, ctx, 0.125, 1000, dpbf16)  # one range per sequence
+    split = lib.decode_attention(q, kv, 2, pages, ctx, 0.125, split_pages, dpbf16)
+    torch.testing.assert_close(whole.float(), want, **tol(dtype))
+    torch.testing.assert_close(split.float(), want, **tol(dtype))
+
+
+def test_long_context_splits_by_default(build):
+    """One sequence, one KV head, 4096 tokens: the default split spreads it over the threads; same result."""
+    name, lib, dpbf16 = build
+    q, kv, pages, ctx = ragged_case([4096], 8, 64, 64, torch.float32, kv_heads=1, layers=1, seed=2)
+    want = reference_decode(q, kv, 0, pages, ctx, 0.125)
+    torch.testing.assert_close(lib.decode_attention(q, kv, 0, pages, ctx, 0.125, 0, dpbf16), want, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_decode_reads_strided_queries(build, dtype):
+    """q as the model makes it: a view into a fused projection, rows not contiguous."""
+    name, lib, dpbf16 = build
+    q, kv, pages, ctx = ragged_case([9, 40], 2, 16, 64, dtype)
+    fused = torch.randn(q.shape[0], q.shape[1] * 2, 64).to(dtype)
+    fused[:, ::2] = q
+    view = fused[:, ::2]
+    assert not view.is_contiguous()
+    want = reference_decode(q, kv, 1, pages, ctx, 0.125)
+    torch.testing.assert_close(lib.decode_attention(view, kv, 1, pages, ctx, 0.125, 0, dpbf16).float(), want,
+                               **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_write_kv_is_byte_identical_to_reference(build, page_size, dtype):
+    name, lib, _ = build
+    t, hk, d = 37, 4, 64
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(6, 2, 2, hk, page_size, d, generator=g).to(dtype)
+    qkv = torch.randn(t, (8 + 2 * hk) * d, generator=g).to(dtype)  # k and v as views of a fused projection
+    _, k, v = qkv.split([8 * d, hk * d, hk * d], dim=-1)
+    k, v = k.view(t, hk, d), v.view(t, hk, d)
+    slots = torch.randperm(6 * page_size, generator=g)[:t]
+    meta = AttnMeta(slots // page_size, slots % page_size, 0, None, None, [])
+    want = kv.clone()
+    attention.write_kv(want, 1, k, v, meta)
+    lib.write_kv(kv, 1, k, v, meta.page_ids, meta.offsets)
+    assert torch.equal(kv.view(torch.uint8) if dtype == torch.float32 else kv.view(torch.int16),
+                       want.view(torch.uint8) if dtype == torch.float32 else want.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("prior,q_len", [(0, 1), (0, 5), (37, 1), (37, 8), (64, 3)])
+def test_short_prefill_chunk_matches_reference(build, prior, q_len, dtype):
+    """A chunk after a cached prefix (its own K/V already written, as the model does), through the table's
+    prefill entry, which routes chunks up to PREFILL_MAX_Q tokens to the kernel."""
+    name, _, dpbf16 = build
+    ops = kcpu.compiled(name, dpbf16)
+    p, hk, group, d = 16, 2, 4, 64
+    ctx = prior + q_len
+    q, kv, pages, _ = ragged_case([ctx], group, p, d, dtype, kv_heads=hk, seed=4)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(q_len, hk * group, d, generator=g).to(dtype)
+    k_new, v_new = torch.randn(q_len, hk, d, generator=g).to(dtype), torch.randn(q_len, hk, d, generator=g).to(dtype)
+    tok = torch.arange(prior, ctx)
+    TORCH_OPS.write_kv(kv, 1, k_new, v_new, AttnMeta(pages[0][tok // p], tok % p, 0, None, None, []))
+    seq = PrefillSeq(0, q_len, ctx, pages[0])
+    assert q_len <= kcpu.PREFILL_MAX_Q
+    want = attention.prefill_attention(q.float(), k_new.float(), v_new.float(), kv.float(), 1, seq, p, 0.125)
+    got = ops.prefill_attention(q, k_new, v_new, kv, 1, seq, p, 0.125)
+    torch.testing.assert_close(got.float(), want, **tol(dtype))
+
+
+def test_bad_inputs_raise_and_name_the_value(build):
+    name, lib, dpbf16 = build
+    q, kv, pages, ctx = ragged_case([20, 3], 2, 16, 64, torch.float32)
+    with pytest.raises(RuntimeError, match=r"ctx\[0\] = 33"):
+        lib.decode_attention(q, kv, 1, pages, torch.tensor([33, 3]), 0.125, 0, dpbf16)
+    with pytest.raises(RuntimeError, match=r"pages\[1, 0\] = 999"):
+        lib.decode_attention(q, kv, 1, torch.tensor([pages[0].tolist(), [999, 999]]), ctx, 0.125, 0, dpbf16)
+    with pytest.raises(RuntimeError, match="layer 7"):
+        lib.decode_attention(q, kv, 7, pages, ctx, 0.125, 0, dpbf16)
+    with pytest.raises(RuntimeError, match="slot 16"):
+        k = torch.zeros(1, 2, 64)
+        lib.write_kv(kv, 0, k, k, torch.tensor([0]), torch.tensor([16]))
+
+
+def test_other_dtypes_and_head_dims_fall_back_to_torch():
+    """The table is complete whatever the input: what a kernel does not take goes to its torch twin."""
+    if HOST_LEVEL < 1:
+        pytest.skip(f"no AVX2 + FMA here ({HOST.summary()})")
+    ops = kcpu.compiled("trnd_avx2")
+    q, kv, pages, ctx = ragged_case([9, 30], 2, 16, 64, torch.float16)  # no fp16 kernel
+    meta = AttnMeta(None, None, 2, pages, ctx, [])
+    torch.testing.assert_close(ops.decode_attention(q, kv, 0, meta, 0.125),
+                               attention.decode_attention(q, kv, 0, meta, 0.125))
+    q, kv, pages, ctx = ragged_case([9, 30], 2, 16, 24, torch.float32)  # head_dim 24: not a multiple of 16
+    meta = AttnMeta(None, None, 2, pages, ctx, [])
+    torch.testing.assert_close(ops.decode_attention(q, kv, 0, meta, 0.2), attention.decode_attention(q, kv, 0, meta, 0.2))
+
+
+def _chosen(env: dict) -> str:
+    code = ("import logging, sys; logging.basicConfig(level='INFO', stream=sys.stdout, format='%(message)s')\n"
+            "from kernels.cpu import cpu_ops; from kernels import TORCH_OPS\n"
+            "ops = cpu_ops(); print('TORCH' if ops is TORCH_OPS else ops.decode_attention.__self__.lib.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_build_follows_the_cpu_probe():
+    """TRND_CPU_ISA=avx2 (an AVX2-only CPU) picks the AVX2 build on any host; the host's own level picks
+    AVX-512 where it has it; TRND_CPU_KERNELS=0 or a CPU below AVX2 fall back, each saying so in one line."""
+    if HOST_LEVEL < 1:
+        pytest.skip(f"no AVX2 + FMA here ({HOST.summary()})")
+    out = _chosen({"TRND_CPU_ISA": "avx2"})
+    assert out.splitlines()[-1].endswith("trnd_avx2") and "cpu kernels: trnd_avx2 on" in out
+    out = _chosen({"TRND_CPU_ISA": ""})
+    assert out.splitlines()[-1].endswith("trnd_avx512" if HOST_LEVEL >= 2 else "trnd_avx2")
+    assert ("with dpbf16" in out) == (HOST_LEVEL >= 3)
+    for env, why in (({"TRND_CPU_KERNELS": "0"}, "TRND_CPU_KERNELS=0"), ({"TRND_CPU_ISA": "default"}, "no AVX2")):
+        out = _chosen(env)
+        assert out.splitlines()[-1] == "TORCH"
+        lines = [x for x in out.splitlines() if x.startswith("cpu kernels:")]
+        assert len(lines) == 1 and why in lines[0] and "the torch ops run" in lines[0]
+
+
+def test_a_missing_build_is_reported_not_fatal(tmp_path, monkeypatch):
+    from kernels.cpu import build
+
+    monkeypatch.setattr(build, "BUILD", tmp_path)
+    lib, why = kcpu.load_library("trnd_avx2")
+    assert lib is None and "is not built" in why and "kernels.cpu.build" in why
+    (tmp_path / "trnd_avx2").mkdir()
+    (tmp_path / "trnd_avx2" / "trnd_avx2.so").write_bytes(b"")
+    (tmp_path / "trnd_avx2" / "torch_version").write_text("1.0.0")
+    lib, why = kcpu.load_library("trnd_avx2")
+    assert lib is None and "built for torch 1.0.0" in why
+
+
+def test_engine_runs_the_compiled_kernels_token_identical(tiny_qwen3):
+    """The CPU backend's table holds the compiled kernels here, and greedy output equals the torch ops'."""
+    if HOST_LEVEL < 1:
+        pytest.skip(f"no AVX2 + FMA here ({HOST.summary()})")
+    from trnd.engine.request import SamplingParams
+    from trnd.llm import LLM
+
+    llm = LLM(str(tiny_qwen3), page_size=8, num_pages=128, chunk_size=16, token_budget=64, prefix_cache=False)
+    ops = llm.engine.model.ops
+    assert isinstance(getattr(ops.decode_attention, "__self__", None), kcpu.CompiledOps)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (3, 30, 70)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    got = [c.token_ids for c in llm.generate(prompts, params)]
+    llm.engine.model.ops = TORCH_OPS
+    for m in llm.engine.model.modules():
+        if hasattr(m, "ops"):
+            m.ops = TORCH_OPS
+    want = [c.token_ids for c in llm.generate(prompts, params)]
+    assert got == want
