@@ -1,0 +1,79 @@
+"""One decode step of the model, the torch ops against the compiled CPU kernels, interleaved in one process.
+
+    python -m trnd.bench.step [--model small] [--batch 1 16] [--ctx 576 1024] [--dtype bfloat16 float32]
+
+The two tables (kernels.TORCH_OPS and kernels.cpu.cpu_ops()) are swapped into the same loaded model and
+timed in alternation, A B A B ..., so load from other work on the shared cores falls on both alike; each
+figure is the fastest step of --iters. The step is ModelRunner.forward on a decode batch of B sequences
+with ctx tokens of context each (their pages scattered over the pool), as the engine runs it (linears
+prepacked as the eager CPU engine loads them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kernels import TORCH_OPS, Ops
+from kernels.cpu import cpu_ops
+from kernels.cpuinfo import cpu_info
+
+
+def _swap(model, ops: Ops) -> None:
+    for m in model.modules():
+        if hasattr(m, "ops"):
+            m.ops = ops
+
+
+def main(argv=None) -> int:
+    from trnd.engine.runner import ModelRunner, StepInputs, alloc_kv
+    from trnd.model.loader import load_model
+    from trnd.roles.serve import resolve_model
+
+    ap = argparse.ArgumentParser(prog="python -m trnd.bench.step")
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[576, 1024])
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args(argv)
+    compiled = cpu_ops()
+    if compiled is TORCH_OPS:
+        raise SystemExit("the compiled CPU kernels are not in use here (see the log line above): nothing to compare")
+    print(f"CPU: {cpu_info().summary()}; torch threads {torch.get_num_threads()}")
+    print("| dtype | batch | ctx | torch ops ms | compiled ms | x |")
+    print("|---|---|---|---:|---:|---:|")
+    path = resolve_model(a.model)
+    for dname in a.dtype:
+        model, cfg = load_model(path, dname, prepack=True)  # as the engine loads it on the CPU
+        for b in a.batch:
+            for ctx in a.ctx:
+                per = -(-(ctx + 1) // a.page)
+                kv = alloc_kv(cfg, cfg.num_kv_heads, b * per + 1, a.page)
+                kv.normal_()
+                runner = ModelRunner(model, cfg, kv)
+                tables = torch.randperm(b * per).view(b, per).tolist()
+                x = StepInputs(ids=[7] * b, positions=[ctx] * b,
+                               page_ids=[t[ctx // a.page] for t in tables], offsets=[ctx % a.page] * b,
+                               decode_pages=tables, decode_ctx=[ctx + 1] * b, prefill=[], sample_rows=list(range(b)))
+                best = {"torch": float("inf"), "compiled": float("inf")}
+                outs = {}
+                for i in range(a.iters + 1):
+                    for name, ops in (("torch", TORCH_OPS), ("compiled", compiled)):
+                        _swap(model, ops)
+                        t = time.perf_counter()
+                        outs[name] = runner.forward(x)
+                        if i:  # the first round warms up
+                            best[name] = min(best[name], time.perf_counter() - t)
+                agree = (outs["torch"].argmax(-1) == outs["compiled"].argmax(-1)).float().mean().item()
+                print(f"| {dname} | {b} | {ctx} | {best['torch'] * 1e3:.1f} | {best['compiled'] * 1e3:.1f} | "
+                      f"{best['torch'] / best['compiled']:.2f} |  (argmax agrees on {agree:.0%} of rows)")
+        del model
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
