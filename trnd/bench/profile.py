@@ -24,6 +24,7 @@ CATEGORIES = [
     ("attention: page gather", lambda fn, f: f.endswith("kernels/attention.py") and fn == "_gather"),
     ("attention: KV write", lambda fn, f: f.endswith("kernels/attention.py") and fn == "write_kv"),
     ("attention: SDPA + mask", lambda fn, f: f.endswith("kernels/attention.py")),
+    ("attention: compiled kernels (KV write, paged attention)", lambda fn, f: f.endswith("kernels/cpu/__init__.py")),
     ("sampler", lambda fn, f: f.endswith(("trnd/engine/sampler.py", "kernels/sampling.py"))),
     ("model forward: linears, norms, rotary, MLP", lambda fn, f: "/trnd/model/" in f or "/kernels/" in f),
     ("scheduler", lambda fn, f: f.endswith("trnd/engine/scheduler.py") or "/trnd/cache/" in f),
