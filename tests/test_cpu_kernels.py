@@ -185,7 +185,8 @@ def test_other_dtypes_and_head_dims_fall_back_to_torch():
                                attention.decode_attention(q, kv, 0, meta, 0.125))
     q, kv, pages, ctx = ragged_case([9, 30], 2, 16, 24, torch.float32)  # head_dim 24: not a multiple of 16
     meta = AttnMeta(None, None, 2, pages, ctx, [])
-    torch.testing.assert_close(ops.decode_attention(q, kv, 0, meta, 0.2), attention.decode_attention(q, kv, 0, meta, 0.2))
+    torch.testing.assert_close(ops.decode_attention(q, kv, 0, meta, 0.2),
+                               attention.decode_attention(q, kv, 0, meta, 0.2))
 
 
 def _chosen(env: dict) -> str:
