@@ -33,10 +33,3 @@ TORCH_OPS = Ops(
     prefill_attention=attention.prefill_attention,
 )
 
-
-def get_ops(backend: str = "cpu") -> Ops:
-    if backend == "cpu":
-        from kernels.cpu import cpu_ops
-
-        return cpu_ops()
-    raise ValueError(f"backend = {backend!r}: no ops registered (known: cpu)")

@@ -30,7 +30,7 @@ def _swap(model, ops: Ops) -> None:
 def main(argv=None) -> int:
     from trnd.engine.runner import ModelRunner, StepInputs, alloc_kv
     from trnd.model.loader import load_model
-    from trnd.roles.serve import resolve_model
+    from trnd.model.maker import resolve_model
 
     ap = argparse.ArgumentParser(prog="python -m trnd.bench.step")
     ap.add_argument("--model", default="small")

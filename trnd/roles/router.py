@@ -32,7 +32,7 @@ def run(cfg: RouterConfig, reload_source: Callable[[], RouterConfig] | None = No
     tokenizer = None
     if cfg.model:
         from trnd.model.tokenizer import Tokenizer
-        from trnd.roles.serve import resolve_model
+        from trnd.model.maker import resolve_model
 
         tokenizer = Tokenizer.from_dir(resolve_model(cfg.model))
     return run_async(lambda: _main(cfg, tokenizer, reload_source))
