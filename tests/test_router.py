@@ -213,3 +213,58 @@ def test_vllm_router_fronts_trnd_decode_servers_unchanged(backends):
         assert parts
     finally:
         stop(proc)
+
+
+def test_serve_prefill_2_decode_2_sessions_and_failover(tiny_qwen3):
+    """The local xPyD deployment in one command: 2 prefill servers, 2 decode servers, the router on the API
+    port. A session's turns stay on one decode server and hit its cache; sessions spread; SIGKILL of a decode
+    server moves its sessions to the other with no 5xx, and nothing leaks."""
+    import re
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trnd", "serve", "--model", str(tiny_qwen3), "--port", str(port),
+                             "--prefill", "2", "--decode", "2", "--threads", "1", "--kv-memory-gb", "0.1",
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        banner = proc.stdout.readline()
+        pids = {m[0]: (int(m[1]), int(m[2])) for m in re.findall(r"(\w+) pid (\d+) \(http://127.0.0.1:(\d+)\)", banner)}
+        assert set(pids) == {"prefill0", "prefill1", "decode0", "decode1", "router"}, banner
+        deadline = time.monotonic() + 180
+        while True:  # every decode server healthy behind the router
+            assert proc.poll() is None
+            try:
+                s = httpx.get(f"http://127.0.0.1:{port}/admin/state", timeout=5).json()
+                if all(t["healthy"] for t in s["targets"]):
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the deployment never became healthy"
+            time.sleep(0.5)
+        c = client(port)
+        history = [{"role": "system", "content": "You are a terse assistant. " * 8}]
+        seen = []
+        for turn in range(3):
+            history.append({"role": "user", "content": f"Turn {turn}: tell me about the sea and the hills."})
+            seen.append(chat_turn(c, history, "conv"))
+        assert len({t for t, _, _ in seen}) == 1 and seen[1][2] > 0 and seen[2][2] > 0
+        homes = {f"s{i}": chat_turn(c, [{"role": "user", "content": "hi"}], f"s{i}")[0] for i in range(10)}
+        decode_ports = {pids[n][1]: n for n in ("decode0", "decode1")}
+        assert {int(a.rsplit(":", 1)[1]) for a in homes.values()} == set(decode_ports)
+        victim_port = int(seen[0][0].rsplit(":", 1)[1])
+        survivor = next(p for p in decode_ports if p != victim_port)
+        import os
+        os.kill(pids[decode_ports[victim_port]][0], signal.SIGKILL)
+        t0 = time.monotonic()
+        moved = [s for s, a in homes.items() if a.endswith(f":{victim_port}")] + ["conv"]
+        for s in moved:  # not one 5xx: the router retries a request that had not started on the survivor
+            assert chat_turn(c, [{"role": "user", "content": "again"}], s)[0] == f"127.0.0.1:{survivor}"
+        assert time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 10
+        while True:  # the survivor returns every page to free (cached pages are evictable, not in use)
+            st = httpx.get(f"http://127.0.0.1:{survivor}/admin/state", timeout=5).json()
+            if not st["running"] and not st["waiting"] and st["pages"]["in_use"] == 0:
+                break
+            assert time.monotonic() < deadline, st["pages"]
+            time.sleep(0.1)
+    finally:
+        stop(proc, timeout=60)

@@ -37,6 +37,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--aggregated", action="store_const", const=True,
                    help="one process (API + engine); default: a local prefill + decode deployment")
     p.add_argument("--point", help="decode point of the local deployment (configs/points.toml; default 8k)")
+    p.add_argument("--prefill", dest="num_prefill", type=int, metavar="N",
+                   help="local deployment: N prefill servers (default 1); every decode server uses all of them")
+    p.add_argument("--decode", dest="num_decode", type=int, metavar="M",
+                   help="local deployment: M decode servers (default 1); with M > 1 `trnd router` serves --port")
     p.add_argument("--tp", type=int, help="tensor-parallel degree: ranks (processes) sharding the model "
                                           "(default 1)")
     p.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")

@@ -64,8 +64,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     secret_file: str | None = None
     aggregated: bool = False  # serve only: one process instead of a local prefill + decode deployment
     point: str = "8k"  # decode point of the local deployment's roles
-    prefill_control_port: Port | None = None  # local deployment: fixed ports for the prefill role
-    prefill_admin_port: Port | None = None
+    prefill_control_port: Port | None = None  # local deployment: fixed ports for the prefill role(s): the
+    prefill_admin_port: Port | None = None  # first one's; the i-th prefill server takes port + i
+    num_prefill: Annotated[int, Meta(ge=1, le=16)] = 1  # local deployment: prefill servers (--prefill N)
+    num_decode: Annotated[int, Meta(ge=1, le=16)] = 1  # decode servers (--decode M); > 1: `trnd router` on port
 
     def __post_init__(self):
         _check_common(self)
@@ -196,6 +198,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefix_entries: Positive = 200_000  # block hashes remembered (LRU)
     prefix_load_slack: Annotated[int, Meta(ge=0)] = 4  # a prefix target may carry this many more in flight
     policy: str = "affinity"  # affinity: session, prefix, load (trnd/router/policy.py); round-robin: benchmarks
+    ready_hold_s: Annotated[float, Meta(ge=0)] = 30.0  # no healthy target yet: a request waits this long, then 503
     max_body_bytes: Positive = 4 * 2**20
     log_level: str = "info"
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0

@@ -1,7 +1,11 @@
-"""`trnd serve` (default): a local disaggregated deployment on one machine. Starts one `trnd prefill`
-and one `trnd decode` process on loopback (the API on the serve port), supervises them — a prefill
-that dies is restarted and re-handshaked; the decode process is the deployment's lifetime — and
-forwards SIGTERM/SIGINT/SIGHUP. `trnd serve --aggregated` runs everything in one process instead."""
+"""`trnd serve` (default): a local disaggregated deployment on one machine. Starts N `trnd prefill` and M
+`trnd decode` processes on loopback (`--prefill N --decode M`, default 1 and 1; every decode server
+connects to every prefill server and picks the least loaded), and with M > 1 a `trnd router` on the
+serve port in front of the decode servers (with M = 1 the decode server has the port itself). It
+supervises them: a prefill or decode server that dies is restarted (its peers re-handshake; the router
+takes a dead decode server out and puts it back when it answers); the API front (the router, or the one
+decode server) is the deployment's lifetime. SIGTERM/SIGINT/SIGHUP are forwarded.
+`trnd serve --aggregated` runs everything in one process instead."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -30,54 +35,82 @@ def _write(path: Path, data: dict) -> Path:
     return path
 
 
-def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> tuple[Path, Path, int, int]:
-    """prefill.toml and decode.toml for this deployment; returns (prefill, decode, control, admin port)."""
+@dataclass
+class Child:
+    """One process of the deployment: its role, its config file, the port that answers /ready."""
+    name: str  # prefill0, decode1, router
+    role: str
+    config: Path
+    port: int  # HTTP: prefill's admin port, decode's API port, the router's port
+    proc: subprocess.Popen | None = None
+    backoff: float = 0.5
+
+
+def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
+    """The children's configs, prefill servers first, the API front (decode, or the router) last."""
+    secret = workdir / "control_secret"
     if cfg.secret_file or cfg.secret:  # shared with stores the operator runs: use theirs
-        secret = workdir / "control_secret"
         secret.write_bytes(cfg.resolved_secret_optional())
     else:
-        secret = workdir / "control_secret"
         secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
-    control, admin = cfg.prefill_control_port or free_port(), cfg.prefill_admin_port or free_port()
     role = {"model": model, "point": cfg.point, "dtype": cfg.dtype, "backend": cfg.backend, "tp": cfg.tp,
             "kv_memory_gb": cfg.kv_memory_gb, "prefix_cache": cfg.prefix_cache, "threads": cfg.threads,
             "secret_file": str(secret), "log_level": cfg.log_level, "host_cache_gb": cfg.host_cache_gb,
             "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb,
             "store": list(cfg.store), "store_on_finish": cfg.store_on_finish, "store_deadline_s": cfg.store_deadline_s}
-    prefill = _write(workdir / "prefill.toml", {**role, "host": "127.0.0.1", "control_port": control,
-                                                 "admin_port": admin})
+    children, controls = [], []
+    for i in range(cfg.num_prefill):
+        control = cfg.prefill_control_port + i if cfg.prefill_control_port else free_port()
+        admin = cfg.prefill_admin_port + i if cfg.prefill_admin_port else free_port()
+        path = _write(workdir / f"prefill{i}.toml", {**role, "host": "127.0.0.1", "control_port": control,
+                                                     "admin_port": admin, "api_key": cfg.resolved_api_key()})
+        children.append(Child(f"prefill{i}", "prefill", path, admin))
+        controls.append(f"127.0.0.1:{control}")
     dec = msgspec.structs.asdict(cfg)
     for k in ("aggregated", "prefill_control_port", "prefill_admin_port", "page_size", "num_pages", "token_budget",
-              "chunk_size", "max_batch"):
+              "chunk_size", "max_batch", "num_prefill", "num_decode", "secret"):
         dec.pop(k, None)  # the decode point fixes the shapes
-    dec.pop("secret", None)
-    dec.update(model=model, secret_file=str(secret), prefill=[f"127.0.0.1:{control}"])
-    decode = _write(workdir / "decode.toml", dec)
-    return prefill, decode, control, admin
+    dec.update(model=model, secret_file=str(secret), prefill=controls)
+    if cfg.num_decode == 1:
+        children.append(Child("decode", "decode", _write(workdir / "decode.toml", dec), cfg.port))
+        return children
+    targets = []
+    for i in range(cfg.num_decode):
+        port = free_port()
+        path = _write(workdir / f"decode{i}.toml", {**dec, "host": "127.0.0.1", "port": port})
+        children.append(Child(f"decode{i}", "decode", path, port))
+        targets.append(f"127.0.0.1:{port}")
+    router = {"host": cfg.host, "port": cfg.port, "targets": targets, "model": model, "api_key": cfg.api_key,
+              "api_key_file": cfg.api_key_file, "log_level": cfg.log_level, "drain_timeout_s": cfg.drain_timeout_s,
+              "max_body_bytes": cfg.max_body_bytes}
+    children.append(Child("router", "router", _write(workdir / "router.toml", router), cfg.port))
+    return children
 
 
 def run(cfg: ServeConfig, model: str) -> int:
-    """The supervisor speaks for the deployment to systemd (NotifyAccess=main): READY once decode is
-    ready, WATCHDOG while both children live, STOPPING/RELOADING around forwarded signals. The
-    children get no NOTIFY_SOCKET of their own."""
+    """The supervisor speaks for the deployment to systemd (NotifyAccess=main): READY once every child
+    answers /ready, WATCHDOG while the API front's /health answers, STOPPING/RELOADING around forwarded
+    signals. The children get no NOTIFY_SOCKET of their own."""
     from trnd.daemon import notify
 
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the two roles share this node's cores (trnd/__init__.py)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the roles share this node's cores (trnd/__init__.py)
     with tempfile.TemporaryDirectory(prefix="trnd-serve-") as tmp:
-        pre_cfg, dec_cfg, control, admin = role_configs(cfg, model, Path(tmp))
-        cmd = [sys.executable, "-m", "trnd"]
-        def start(role: str, cfg_path: Path) -> subprocess.Popen:
-            return subprocess.Popen([*cmd, role, "--config", str(cfg_path)], env=env,
-                                    preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        children = role_configs(cfg, model, Path(tmp))
+        front = children[-1]
 
-        procs = {"prefill": start("prefill", pre_cfg), "decode": start("decode", dec_cfg)}
-        notify.status("starting prefill and decode")
-        print(f"trnd: local deployment: prefill pid {procs['prefill'].pid} (admin http://127.0.0.1:{admin}), "
-              f"decode pid {procs['decode'].pid} (API http://{cfg.host}:{cfg.port}/v1)", flush=True)
-        stopping = False
-        ready = False
+        def start(c: Child) -> None:
+            c.proc = subprocess.Popen([sys.executable, "-m", "trnd", c.role, "--config", str(c.config)], env=env,
+                                      preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+
+        for c in children:
+            start(c)
+        notify.status(f"starting {cfg.num_prefill} prefill and {cfg.num_decode} decode server(s)")
+        print("trnd: local deployment: " + ", ".join(f"{c.name} pid {c.proc.pid} (http://127.0.0.1:{c.port})"
+                                                     for c in children)
+              + f"; API http://{cfg.host}:{cfg.port}/v1", flush=True)
+        stopping, ready = False, False
         reloading_since: float | None = None
 
         def forward(signum, _frame):
@@ -87,48 +120,46 @@ def run(cfg: ServeConfig, model: str) -> int:
                 notify.stopping("draining")
             elif signum == signal.SIGHUP:
                 reloading_since = time.monotonic()
-                notify.reloading("reloading prefill and decode")
-            for p in procs.values():
-                if p.poll() is None:
-                    p.send_signal(signum)
+                notify.reloading("reloading the deployment")
+            for c in children:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signum)
 
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, forward)
-        backoff = 0.5
         beat = notify.watchdog_interval()
-        beat = beat / 2 if beat else None  # margin: each ping waits on decode's /health
+        beat = beat / 2 if beat else None  # margin: each ping waits on the front's /health
         last_beat = 0.0
-        while True:
-            rc = procs["decode"].poll()
-            if rc is not None:
-                break
+        while (rc := front.proc.poll()) is None:
             now = time.monotonic()
-            if not ready and not stopping and is_ready(cfg.port, "/ready"):
+            if not ready and not stopping and all(is_ready(c.port, "/ready") for c in children):
                 ready = True
                 notify.ready(f"serving on http://{cfg.host}:{cfg.port}/v1")
             if reloading_since is not None and now - reloading_since > 1.0 and is_ready(cfg.port, "/ready"):
                 reloading_since = None
                 notify.ready("reloaded")
-            if (beat and now - last_beat >= beat and all(p.poll() is None for p in procs.values())
-                    and is_ready(cfg.port, "/health")):  # decode's /health: its engine loop is making progress
+            if beat and now - last_beat >= beat and is_ready(cfg.port, "/health"):
                 notify.watchdog()
                 last_beat = now
-            if procs["prefill"].poll() == EX_CONFIG:  # a bad config does not get better by restarting
-                log.error("prefill refused its configuration; stopping the deployment")
-                procs["decode"].send_signal(signal.SIGTERM)
-                procs["decode"].wait(30)
-                return EX_CONFIG
-            if procs["prefill"].poll() is not None and not stopping:
-                log.warning("prefill exited with %s; restarting it in %.1f s", procs["prefill"].returncode, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 10)
-                procs["prefill"] = start("prefill", pre_cfg)
+            for c in children[:-1]:
+                code = c.proc.poll()
+                if code == EX_CONFIG:  # a bad config does not get better by restarting
+                    log.error("%s refused its configuration; stopping the deployment", c.name)
+                    forward(signal.SIGTERM, None)
+                    front.proc.wait(30)
+                    return EX_CONFIG
+                if code is not None and not stopping:
+                    log.warning("%s exited with %s; restarting it in %.1f s", c.name, code, c.backoff)
+                    time.sleep(c.backoff)
+                    c.backoff = min(c.backoff * 2, 10)
+                    start(c)
             time.sleep(0.2)
-        p = procs["prefill"]
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+        for c in children[:-1]:  # the front is gone: its servers go too
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        for c in children[:-1]:
             try:
-                p.wait(15)
+                c.proc.wait(15)
             except subprocess.TimeoutExpired:
-                p.kill()
+                c.proc.kill()
         return rc if not stopping else (0 if rc in (0, -signal.SIGTERM, -signal.SIGINT) else rc)

@@ -7,6 +7,7 @@ router. The API key and error schema are the decode servers' own (trnd/api/auth.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -65,6 +66,17 @@ class RouterState:
     routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0, "round-robin": 0})
     metrics: RouterMetrics | None = None
     rr: int = 0
+
+    async def wait_target(self) -> None:
+        """Ready means ready, as on a decode server: a request (and /v1/models, which clients poll) that
+        arrives while no target is healthy waits up to ready_hold_s for one, then gets 503 not_ready."""
+        deadline = time.monotonic() + self.cfg.ready_hold_s
+        while not self.targets.healthy():
+            if self.draining or time.monotonic() >= deadline:
+                why = "; ".join(f"{t.addr}: {t.error or 'probing'}" for t in self.targets.all)
+                raise APIError(503, f"No decode server is ready ({why}); retry later", code="not_ready",
+                               headers={"Retry-After": "2"})
+            await asyncio.sleep(0.05)
 
     def next_rr(self) -> int | None:
         """The request's turn under policy = "round-robin"; None under affinity."""
@@ -146,6 +158,7 @@ def _route(path: str):
             raise APIError(503, "The router is draining and accepts no new requests", code="draining",
                            headers={"Retry-After": "1"})
         body = await read_body(request, st.cfg.max_body_bytes)
+        await st.wait_target()
         try:
             data = msgspec.json.decode(body)
         except msgspec.DecodeError as e:
@@ -170,6 +183,7 @@ def _route(path: str):
 
 async def models(request: Request) -> Response:
     st = _state(request)
+    await st.wait_target()
     cards: dict[str, dict] = {}
     for t in st.targets.healthy():
         c = cards.setdefault(t.model, {"id": t.model, "object": "model", "created": int(st.started),
