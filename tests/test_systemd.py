@@ -502,6 +502,14 @@ def test_bad_config_exits_78_with_one_line(tmp_path, body, field):
     assert len(lines) == 1 and lines[0].startswith("trnd: config error:") and field in lines[0], r.stderr
 
 
+def test_the_one_line_is_at_error_priority_when_stderr_is_the_journal(tmp_path):
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text("max_nn = 3\n")
+    env = {**os.environ, "JOURNAL_STREAM": "8:12345"}  # what systemd sets when stderr is the journal
+    r = subprocess.run(exec_start("serve", cfg), capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert r.returncode == 78 and r.stderr.startswith("<3>trnd: config error:") and "max_nn" in r.stderr, r.stderr
+
+
 def test_role_config_without_its_credential_exits_78(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
     r = subprocess.run(exec_start("prefill", ROOT / "configs/prefill.toml"), capture_output=True, text=True,

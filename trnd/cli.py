@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from trnd.backends import BackendUnavailable
     from trnd.config import ConfigError, StartupError
+    from trnd.log import journal_prefix
 
     try:
         if args.cmd == "serve":
@@ -265,12 +266,12 @@ def main(argv: list[str] | None = None) -> int:
 
             return importlib.import_module(f"trnd.bench.{args.bench_cmd.replace('-', '_')}").main(args)
     except ConfigError as e:
-        print(f"trnd: config error: {e}", file=sys.stderr)
+        print(f"{journal_prefix(3)}trnd: config error: {e}", file=sys.stderr)
         return EX_CONFIG
     except StartupError as e:
-        print(f"trnd: cannot start: {e}", file=sys.stderr)
+        print(f"{journal_prefix(3)}trnd: cannot start: {e}", file=sys.stderr)
         return EX_CONFIG
     except BackendUnavailable as e:
-        print(f"trnd: {e}", file=sys.stderr)
+        print(f"{journal_prefix(3)}trnd: {e}", file=sys.stderr)
         return EX_UNAVAILABLE
     return 2

@@ -25,6 +25,12 @@ class _Formatter(logging.Formatter):
         return f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {record.name}: {msg}"
 
 
+def journal_prefix(priority: int) -> str:
+    """`<N>` when stderr is the journal, for lines written before (or without) logging: a one-line
+    start-up error must reach `journalctl -p err`, not land at the stream's default (info)."""
+    return f"<{priority}>" if os.environ.get("JOURNAL_STREAM") else ""
+
+
 def setup_logging(level: str = "info") -> None:
     journal = bool(os.environ.get("JOURNAL_STREAM"))  # set by systemd when stderr is the journal
     handler = logging.StreamHandler(sys.stderr)
