@@ -29,6 +29,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "docs/DEPLOY.md"
 SYSTEMD_BIN = Path("/lib/systemd/systemd")
+DECODE_PORT, ROUTER_PORT = 8010, 8000  # configs/router.toml's layout: the router on 8000 before decode servers
 EXPOSURE = 1.5  # `systemd-analyze security trnd@decode.service` today ("OK"); it must not get worse
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A process of the host environment that the install may need (a registry proxy, pip's own settings).
@@ -83,8 +84,8 @@ CLIENT = r"""
 import json, sys, time
 import openai
 
-key, action, arg = sys.argv[1], sys.argv[2], int(sys.argv[3])
-c = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=key, max_retries=0, timeout=60)
+key, port, action, arg = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60)
 model = c.models.list().data[0].id
 if action == "complete":
     try:
@@ -223,10 +224,10 @@ class Machine:
             raise AssertionError(f"exit {r.returncode}: {script}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         return r
 
-    def client(self, *args, popen: bool = False):
+    def client(self, *args, port: int = DECODE_PORT, popen: bool = False):
         """The openai client (this checkout's venv) in the machine's network namespace: loopback only."""
         argv = ["nsenter", f"--target={self.pid1}", "--net", "--", sys.executable, "-c", CLIENT, self.api_key,
-                *map(str, args)]
+                str(port), *map(str, args)]
         if popen:
             return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         r = subprocess.run(argv, capture_output=True, text=True, timeout=90)
@@ -295,12 +296,16 @@ def install(m: Machine) -> None:
                  -e 's|^kv_memory_gb = .*|kv_memory_gb = 0.1|' /etc/trnd/$role.toml
           echo 'threads = 1' >> /etc/trnd/$role.toml
         done
+        sed -i 's/^port = .*/port = %(decode)d/' /etc/trnd/decode.toml
+        sed -i -e 's|^targets = .*|targets = ["127.0.0.1:%(decode)d"]|' -e 's|^# api_key_file|api_key_file|' \
+               -e 's|^# model = .*|model = "/var/lib/trnd/models/tiny"|' -e 's/^port = .*/port = %(router)d/' \
+               /etc/trnd/router.toml
         # The test hook (docs/DEPLOY.md): every decode step sleeps 50 ms, so a stream is still running at stop.
         mkdir -p /etc/systemd/system/trnd@decode.service.d
         printf '[Service]\\nEnvironment=TRND_DEBUG_STALL_S=0.05\\n' \\
           > /etc/systemd/system/trnd@decode.service.d/stall.conf
         systemctl daemon-reload
-    """)
+    """ % {"decode": DECODE_PORT, "router": ROUTER_PORT})
 
 
 @pytest.fixture(scope="module")
@@ -319,17 +324,19 @@ def journal(m: Machine, args: str) -> list[str]:
     return m.sh(f"journalctl --no-pager -o cat {args}").stdout.splitlines()
 
 
-def test_start_returns_once_both_roles_are_ready_and_openai_gets_an_answer(machine):
+def test_start_returns_once_the_roles_are_ready_and_openai_gets_an_answer(machine):
     m = machine
-    m.sh("systemctl enable trnd@prefill trnd@decode trnd.target")
-    m.sh("systemctl start trnd@prefill trnd@decode", timeout=300)
-    for role in ("prefill", "decode"):  # start returned: READY=1 already came (Type=notify)
+    m.sh("systemctl enable trnd@prefill trnd@decode trnd@router trnd.target")
+    m.sh("systemctl start trnd@prefill trnd@decode trnd@router", timeout=300)
+    for role in ("prefill", "decode", "router"):  # start returned: READY=1 already came (Type=notify)
         s = show(m, f"trnd@{role}", "ActiveState", "SubState", "StatusText", "NRestarts")
         assert (s["ActiveState"], s["SubState"], s["NRestarts"]) == ("active", "running", "0"), s
-        assert s["StatusText"].startswith("ready"), s
+        assert s["StatusText"].startswith(("ready", "routing")), s
     assert "handshaked" in "\n".join(journal(m, "-u trnd@decode"))
     r = m.client("complete", 1)
     assert r["status"] == 200 and r["model"] == "tiny" and r["tokens"] == 4 and r["text"], r
+    via_router = m.client("complete", 1, port=ROUTER_PORT)
+    assert via_router["status"] == 200 and via_router["text"] == r["text"], via_router  # temperature 0
     assert m.sh("systemctl is-enabled trnd@decode").stdout.strip() == "enabled"
 
 
