@@ -45,3 +45,33 @@ def test_unknown_point_is_one_line_exit_78(tiny_qwen3):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 78 and out.stderr.count("\n") == 1
     assert "point = '2m' is not a known decode point" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_role_on_a_point_past_the_models_positions_is_refused(tiny_qwen3, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    out = subprocess.run([sys.executable, "-m", "trnd", "prefill", "--model", str(tiny_qwen3), "--point", "1m",
+                          "--secret-file", str(secret), "--kv-memory-gb", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 78, out.stderr[-2000:]
+    err = [ln for ln in out.stderr.splitlines() if "1048576" in ln]
+    assert err and "131072" in err[0] and "Traceback" not in out.stderr
+
+
+def test_capacity_is_in_admin_state(tiny_qwen3, tmp_path):
+    from tests.procs import admin_state, free_port, stop, wait_ready
+
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    cp, ap = free_port(), free_port()
+    pre = subprocess.Popen([sys.executable, "-m", "trnd", "prefill", "--model", str(tiny_qwen3), "--secret-file",
+                            str(secret), "--threads", "1", "--kv-memory-gb", "0.05", "--control-port", str(cp),
+                            "--admin-port", str(ap)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_ready(ap, pre)
+        cap = admin_state(ap)["capacity"]
+        assert cap["tokens"] == cap["pages"] * 16 and cap["max_batch"] == 32
+        assert cap["full_length_sequences"] == round(cap["tokens"] / 8192, 3)
+    finally:
+        out = stop(pre)
+    assert "full-length sequences" in out  # the start-up line

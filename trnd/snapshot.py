@@ -158,6 +158,16 @@ class Limits(_S):
     chunk_size: int | None = None
 
 
+class Capacity(_S):
+    """What a disaggregated role's pool holds under its decode point (trnd/points.py: capacity)."""
+    kv_bytes_per_token: int | None = None
+    pages: int | None = None
+    tokens: int | None = None
+    full_length_sequences: float | None = None
+    max_batch: int | None = None
+    tokens_per_sequence_at_full_batch: int | None = None
+
+
 class Integrity(_S):
     """The page-pool check the engine loop runs whenever it goes idle (engine/state.py)."""
     ok: bool = True
@@ -265,6 +275,7 @@ class State(msgspec.Struct, kw_only=True, omit_defaults=True):
     stats: Stats | None = None
     layout: Layout | None = None
     limits: Limits | None = None
+    capacity: Capacity | None = None
     integrity: Integrity | None = None
     # disaggregated roles
     transfers: Transfers | None = None

@@ -9,7 +9,7 @@ from trnd.backends import resolve_dtype
 from trnd.config import StartupError
 from trnd.engine.engine import Engine, EngineConfig
 from trnd.model.config import ModelConfig, fingerprint
-from trnd.points import DecodePoint, get_point
+from trnd.points import Capacity, DecodePoint, capacity, check_positions, get_point
 from trnd.transfer.plan import Layout
 from trnd.transfer.protocol import Manifest
 
@@ -20,13 +20,17 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
                  max_model_len: int | None = None) -> tuple[Engine, DecodePoint]:
     """The engine of a disaggregated role (cfg: PrefillConfig or DecodeConfig), shaped by its point:
     page size, max context, max batch and prefill chunk come from the point, the pool from the
-    memory budget; refuses to start if one max-context sequence cannot fit."""
+    memory budget; refuses to start if one max-context sequence cannot fit, or if the model is not
+    configured for the point's max context (max_position_embeddings, or its rope scaling)."""
     point = get_point(cfg.point)
     dtype, _ = resolve_dtype(cfg.dtype, cfg.backend)  # the pool's page bytes follow the computed dtype
     mc = ModelConfig.from_dir(model_dir, dtype)
     from trnd.engine.runner import kv_page_bytes
     from trnd.parallel import TPGroup
 
+    why = check_positions(point, mc.max_position_embeddings, mc.rope_scaling)
+    if why is not None:  # positions the model was never configured for are not served silently
+        raise StartupError(why)
     h0, h1 = TPGroup(0, cfg.tp).kv_heads(mc.num_kv_heads)
     page_bytes = kv_page_bytes(mc, h1 - h0, point.page_size)
     num_pages = int(cfg.kv_memory_gb * 2**30) // page_bytes
@@ -45,7 +49,14 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
                                  host_policy=cfg.host_policy, node_host_memory_gb=cfg.node_host_memory_gb,
                                  store=list(cfg.store), store_secret=secret, store_on_finish=cfg.store_on_finish,
                                  store_deadline_s=cfg.store_deadline_s, role=role))
+    log.info(point_capacity(engine, point).line())
     return engine, point
+
+
+def point_capacity(engine: Engine, point: DecodePoint) -> Capacity:
+    """What this role's pool holds under its point: the point's batch shares the pool's tokens
+    ("tokens, not sequences", docs/DEPLOY.md)."""
+    return capacity(point, engine.runner.page_bytes, engine.pool.num_pages)
 
 
 def layout_of(engine: Engine) -> Layout:

@@ -15,13 +15,15 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from trnd import snapshot as S
 from trnd.config import DecodeConfig
 from trnd.engine.loop import EngineLoop, Unavailable
 from trnd.engine.parked import Landing, Parked
 from trnd.engine.request import Req
 from trnd.engine.sampler import SampleOut
-from trnd.roles.common import build_engine, manifest
+from trnd.roles.common import build_engine, manifest, point_capacity
 from trnd.transfer import protocol as P
 from trnd.transfer.handoff import Awaited
 
@@ -71,6 +73,7 @@ class DecodeServer:
                                                max_model_len=cfg.max_model_len)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "decode", model_name)
+        self.capacity = point_capacity(self.engine, self.point)
         self.agent = self.engine.kv_agent()
         self.engine.take_prompt_kv_from(self.ask_peer)
         self.loop = EngineLoop(self.engine, cfg.max_requests, poll=self._poll)
@@ -261,6 +264,7 @@ class DecodeServer:
         return {
             "role": "decode",
             "point": self.point.name,
+            "capacity": S.Capacity(**{k: v for k, v in msgspec.structs.asdict(self.capacity).items() if k != "point"}),
             "transfers": S.Transfers(
                 in_flight=[S.InFlight(rid=rid, peer=a.peer, notifs=a.notifs, fenced=a.fenced,
                                       age_s=round(now - a.sent_at, 3)) for rid, a in self.awaited.entries.items()],

@@ -23,7 +23,7 @@ from trnd.engine.engine import LengthError
 from trnd.engine.loop import EngineLoop
 from trnd.engine.output import StepOutput
 from trnd.engine.scheduler import Batch
-from trnd.roles.common import build_engine, layout_from, layout_of, manifest
+from trnd.roles.common import build_engine, layout_from, layout_of, manifest, point_capacity
 from trnd.transfer import protocol as P
 from trnd.transfer.handoff import Shipment, Shipped, Xfer
 from trnd.transfer.plan import descriptors, make_plan
@@ -54,6 +54,7 @@ class PrefillServer:
         self.engine, self.point = build_engine(model_dir, cfg, role="prefill", secret=self.secret)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "prefill", model_name)
+        self.capacity = point_capacity(self.engine, self.point)
         self.layout = layout_of(self.engine)
         self.agent = self.engine.kv_agent()
         self.engine.on_forward = self._ship
@@ -265,6 +266,7 @@ class PrefillServer:
         return {
             "role": "prefill",
             "point": self.point.name,
+            "capacity": S.Capacity(**{k: v for k, v in msgspec.structs.asdict(self.capacity).items() if k != "point"}),
             "transfers": S.Transfers(
                 in_flight=[S.InFlight(rid=h.rid, peer=h.peer, xfers=len(h.xfers), sent_pages=h.sent_pages,
                                       age_s=round(now - min(x.t0 for x in h.xfers), 3))
