@@ -21,8 +21,9 @@ from pathlib import Path
 
 import httpx
 
-from trnd.bench.disagg import _free_port, _stop, _wait
+from trnd.bench.disagg import _stop
 from trnd.bench import cpu_line
+from trnd.procs import free_port as _free_port, wait_ready
 
 
 def start(kind: str, model: str, args, tmp: Path) -> tuple[list, int, dict]:
@@ -37,7 +38,7 @@ def start(kind: str, model: str, args, tmp: Path) -> tuple[list, int, dict]:
         procs.append(subprocess.Popen([*exe, "store", "--secret-file", str(secret), "--control-port", str(cp),
                                        "--admin-port", str(ap), "--memory-gb", str(args.store_gb)],
                                       stdout=log, stderr=subprocess.STDOUT))
-        _wait(ap, procs)
+        wait_ready(ap, procs)
         extra += ["store = [\"127.0.0.1:%d\"]" % cp]
     if kind in ("l2", "l2+l3"):
         extra += [f"host_cache_gb = {args.host_gb}"]
@@ -48,7 +49,7 @@ def start(kind: str, model: str, args, tmp: Path) -> tuple[list, int, dict]:
                               f"kv_memory_gb = {args.kv_memory_gb}", f'secret_file = "{secret}"',
                               'served_model_name = "m"', *extra]) + "\n")
     procs.append(subprocess.Popen([*exe, "serve", "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT))
-    _wait(port, procs)
+    wait_ready(port, procs)
     return procs, port, {"prefill_admin": admin}
 
 
