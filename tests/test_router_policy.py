@@ -82,7 +82,8 @@ def test_excluded_targets_are_not_retried():
         choose(ts, 10, "s", [], PrefixIndex(10), 4, exclude={t.addr, other.addr})
 
 
-def test_round_robin_ignores_sessions():
+def test_random_baseline_ignores_sessions():
     ts = targets((8192, 0), (8192, 0))
-    got = [choose(ts, 10, "same", [], PrefixIndex(10), 4, round_robin=i)[0].addr for i in range(4)]
-    assert got[0] != got[1] and got[0] == got[2]
+    got = {choose(ts, 10, "same", [], PrefixIndex(10), 4, spray=i)[0].addr for i in range(16)}
+    assert got == {t.addr for t in ts}  # one session, both targets
+    assert all(choose(ts, 10, "same", [], PrefixIndex(10), 4, spray=i)[1] == "random" for i in range(4))

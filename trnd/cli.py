@@ -105,8 +105,8 @@ def _router_parser(sub) -> None:
                    help="a decode server's HTTP address (repeatable; replaces the config's targets)")
     p.add_argument("--model", metavar="DIR", help="the targets' model dir or preset, to count prompt tokens exactly")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
-    p.add_argument("--policy", choices=["affinity", "round-robin"],
-                   help="affinity (default): session, prefix, load; round-robin: the baseline for benchmarks")
+    p.add_argument("--policy", choices=["affinity", "random"],
+                   help="affinity (default): session, prefix, load; random: the session-unaware baseline for benchmarks")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -147,6 +147,10 @@ def _bench_parser(sub) -> None:
 
     sc = bsub.add_parser("serve-compare", help="trnd vs vLLM's CPU build, both loaded by `vllm bench serve`")
     serve_compare.add_arguments(sc)
+    from trnd.bench import router as bench_router
+
+    r = bsub.add_parser("router", help="session affinity vs random routing through trnd serve --prefill 1 --decode 2")
+    bench_router.add_arguments(r)
     t = bsub.add_parser("tiers", help="multi-turn agentic replay: tiers off vs host L2 vs L2 + remote L3")
     t.add_argument("--model", default="small", help="model dir or preset (default small)")
     t.add_argument("--point", default="8k")

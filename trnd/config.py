@@ -68,6 +68,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefill_admin_port: Port | None = None  # first one's; the i-th prefill server takes port + i
     num_prefill: Annotated[int, Meta(ge=1, le=16)] = 1  # local deployment: prefill servers (--prefill N)
     num_decode: Annotated[int, Meta(ge=1, le=16)] = 1  # decode servers (--decode M); > 1: `trnd router` on port
+    router_policy: str = "affinity"  # the local router's policy (affinity; random for benchmarks)
 
     def __post_init__(self):
         _check_common(self)
@@ -86,7 +87,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 def _check_common(cfg) -> None:
     """Choices msgspec's type system does not express, named like msgspec names its errors."""
     choices = {"log_level": ("debug", "info", "warning", "error"), "dtype": ("auto", "bfloat16", "float32", "float16"),
-               "host_policy": ("write-back", "write-through"), "backend": ("cpu", "cuda", "neuron")}
+               "host_policy": ("write-back", "write-through"), "backend": ("cpu", "cuda", "neuron"),
+               "router_policy": (None, "affinity", "random")}
     point = getattr(cfg, "point", None)
     if point is not None:
         from trnd.points import load_points
@@ -197,7 +199,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefix_block_chars: Positive = 256  # prefix affinity: the router hashes prompts in blocks of this many chars
     prefix_entries: Positive = 200_000  # block hashes remembered (LRU)
     prefix_load_slack: Annotated[int, Meta(ge=0)] = 4  # a prefix target may carry this many more in flight
-    policy: str = "affinity"  # affinity: session, prefix, load (trnd/router/policy.py); round-robin: benchmarks
+    policy: str = "affinity"  # affinity: session, prefix, load (trnd/router/policy.py); random: benchmarks
     ready_hold_s: Annotated[float, Meta(ge=0)] = 30.0  # no healthy target yet: a request waits this long, then 503
     max_body_bytes: Positive = 4 * 2**20
     log_level: str = "info"
@@ -207,9 +209,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise msgspec.ValidationError(f"log_level = {self.log_level!r} is not one of debug, info, warning, "
                                           "error - at `$.log_level`")
-        if self.policy not in ("affinity", "round-robin"):
-            raise msgspec.ValidationError(f"policy = {self.policy!r} is not one of affinity, round-robin - at "
-                                          "`$.policy`")
+        if self.policy not in ("affinity", "random"):
+            raise msgspec.ValidationError(f"policy = {self.policy!r} is not one of affinity, random - at `$.policy`")
         for i, t in enumerate(self.targets):
             host, _, port = t.rpartition(":")
             if not host or not port.isdigit():

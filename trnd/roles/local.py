@@ -69,7 +69,7 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
         controls.append(f"127.0.0.1:{control}")
     dec = msgspec.structs.asdict(cfg)
     for k in ("aggregated", "prefill_control_port", "prefill_admin_port", "page_size", "num_pages", "token_budget",
-              "chunk_size", "max_batch", "num_prefill", "num_decode", "secret"):
+              "chunk_size", "max_batch", "num_prefill", "num_decode", "router_policy", "secret"):
         dec.pop(k, None)  # the decode point fixes the shapes
     dec.update(model=model, secret_file=str(secret), prefill=controls)
     if cfg.num_decode == 1:
@@ -83,7 +83,7 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
         targets.append(f"127.0.0.1:{port}")
     router = {"host": cfg.host, "port": cfg.port, "targets": targets, "model": model, "api_key": cfg.api_key,
               "api_key_file": cfg.api_key_file, "log_level": cfg.log_level, "drain_timeout_s": cfg.drain_timeout_s,
-              "max_body_bytes": cfg.max_body_bytes}
+              "max_body_bytes": cfg.max_body_bytes, "policy": cfg.router_policy}
     children.append(Child("router", "router", _write(workdir / "router.toml", router), cfg.port))
     return children
 

@@ -63,9 +63,9 @@ class RouterState:
     tokenizer: object | None = None  # trnd Tokenizer of the targets' model: exact prompt counts
     draining: bool = False
     started: float = field(default_factory=time.time)
-    routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0, "round-robin": 0})
+    routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0, "random": 0})
     metrics: RouterMetrics | None = None
-    rr: int = 0
+    sprayed: int = 0
 
     async def wait_target(self) -> None:
         """Ready means ready, as on a decode server: a request (and /v1/models, which clients poll) that
@@ -78,12 +78,12 @@ class RouterState:
                                headers={"Retry-After": "2"})
             await asyncio.sleep(0.05)
 
-    def next_rr(self) -> int | None:
-        """The request's turn under policy = "round-robin"; None under affinity."""
-        if self.cfg.policy != "round-robin":
+    def next_spray(self) -> int | None:
+        """The request's sequence number under policy = "random"; None under affinity."""
+        if self.cfg.policy != "random":
             return None
-        self.rr += 1
-        return self.rr
+        self.sprayed += 1
+        return self.sprayed
 
     def count(self, t: Target, rule: str) -> None:
         t.requests += 1

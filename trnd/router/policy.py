@@ -86,10 +86,11 @@ def fitting(targets: list[Target], need: int) -> list[Target]:
 
 
 def choose(healthy: list[Target], need: int, session: str | None, hashes: list[int], index: PrefixIndex,
-           slack: int, exclude: set[str] = frozenset(), round_robin: int | None = None) -> tuple[Target, str]:
-    """(target, rule) with rule one of "session", "prefix", "load" ("round-robin" when round_robin, the
-    request's sequence number, is given: the baseline the benchmark measures affinity against);
-    raises NoTarget."""
+           slack: int, exclude: set[str] = frozenset(), spray: int | None = None) -> tuple[Target, str]:
+    """(target, rule) with rule one of "session", "prefix", "load"; or "random" when `spray` (the
+    request's sequence number) is given: a target hashed from it, ignoring sessions and prefixes, the
+    session-unaware baseline the benchmark measures affinity against (plain round-robin would keep a
+    session on one target whenever the sessions per round divide evenly). Raises NoTarget."""
     live = [t for t in healthy if t.addr not in exclude]
     if not live:
         raise NoTarget("no healthy decode server" + (" left to retry on" if exclude else ""), fits=True)
@@ -98,8 +99,8 @@ def choose(healthy: list[Target], need: int, session: str | None, hashes: list[i
         biggest = max(t.max_model_len or 0 for t in live)
         raise NoTarget(f"this request needs {need} tokens of context (prompt + max_tokens), but the largest "
                        f"context served is {biggest}", fits=False)
-    if round_robin is not None:
-        return sorted(pool, key=lambda t: t.addr)[round_robin % len(pool)], "round-robin"
+    if spray is not None:
+        return rendezvous(f"request-{spray}", pool), "random"
     if session:
         return rendezvous(session, pool), "session"
     least = min(pool, key=lambda t: (t.in_flight, t.requests))

@@ -46,7 +46,7 @@ class Proxied:
         for attempt in range(st.cfg.retries + 1):
             try:
                 target, rule = choose(st.targets.healthy(), self.need, self.session, self.hashes, st.index,
-                                      st.cfg.prefix_load_slack, exclude=tried, round_robin=st.next_rr())
+                                      st.cfg.prefix_load_slack, exclude=tried, spray=st.next_spray())
             except NoTarget as e:
                 status, code = (503, "unavailable") if e.fits else (400, "context_length_exceeded")
                 return await _error(send, APIError(status, str(e), code=code, param=None if e.fits else "max_tokens",
