@@ -102,9 +102,13 @@ def test_bad_json_is_an_openai_400(router):
 
 
 def test_router_state_and_metrics(router):
+    chat_turn(client(router), [{"role": "user", "content": "state"}], "state-session")
     s = httpx.get(f"http://127.0.0.1:{router}/admin/state", timeout=10).json()
-    assert s["role"] == "router" and len(s["targets"]) == 2 and all(t["healthy"] for t in s["targets"])
-    assert s["routed"]["session"] > 0
+    assert s["role"] == "router" and len(s["peers"]) == 2 and all(t["healthy"] for t in s["peers"])
+    assert s["routing"]["session"] > 0 and s["peers"][0]["max_model_len"] == 1024
+    from trnd import snapshot
+
+    assert snapshot.decode(s).routing.session == s["routing"]["session"]  # the schema trnd top decodes
     m = httpx.get(f"http://127.0.0.1:{router}/metrics", timeout=10).text
     assert 'trnd:router_requests_total{route="session"' in m and "trnd:router_target_healthy" in m
 
@@ -126,7 +130,7 @@ def test_sigkill_of_one_server_moves_its_sessions_without_5xx(tiny_qwen3, tmp_pa
             assert target == f"127.0.0.1:{servers[1].port}"
         assert time.monotonic() - t0 < 60
         state = httpx.get(f"http://127.0.0.1:{port}/admin/state", timeout=10).json()
-        dead = next(t for t in state["targets"] if t["addr"] == f"127.0.0.1:{victim.port}")
+        dead = next(t for t in state["peers"] if t["addr"] == f"127.0.0.1:{victim.port}")
         assert not dead["healthy"]
         servers[1].wait_idle()  # nothing leaked on the survivor
     finally:
@@ -234,7 +238,7 @@ def test_serve_prefill_2_decode_2_sessions_and_failover(tiny_qwen3):
             assert proc.poll() is None
             try:
                 s = httpx.get(f"http://127.0.0.1:{port}/admin/state", timeout=5).json()
-                if all(t["healthy"] for t in s["targets"]):
+                if all(t["healthy"] for t in s["peers"]):
                     break
             except httpx.HTTPError:
                 pass
@@ -268,3 +272,13 @@ def test_serve_prefill_2_decode_2_sessions_and_failover(tiny_qwen3):
             time.sleep(0.1)
     finally:
         stop(proc, timeout=60)
+
+
+def test_trnd_top_shows_the_router_and_its_targets(router, backends):
+    out = subprocess.run([sys.executable, "-m", "trnd", "top", "--once", f"http://127.0.0.1:{router}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "router" in out.stdout
+    for s in backends:
+        assert f"127.0.0.1:{s.port}" in out.stdout
+    assert "sessions" in out.stdout

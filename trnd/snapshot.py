@@ -226,6 +226,20 @@ class Peer(_S):
     connects: int | None = None
     connected_s: float | None = None
     last_seen_s: float | None = None
+    sessions: int | None = None  # a router's target: sessions routed to it
+    point: str | None = None  # a router's target: its decode point and context
+    max_model_len: int | None = None
+
+
+class Routing(_S):
+    """A router's decisions (trnd/router/): requests per rule, retries, failovers, prefixes remembered."""
+    session: int = 0
+    prefix: int = 0
+    load: int = 0
+    random: int = 0
+    retries: int = 0
+    failovers: int = 0
+    prefix_entries: int = 0
 
 
 # -- the L3 store ---------------------------------------------------------------------------------------
@@ -261,7 +275,7 @@ class StoreClientView(_S):
 
 class State(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A role's fields only: what it does not have is left out of the JSON."""
-    role: str = "?"  # serve | decode | prefill | store
+    role: str = "?"  # serve | decode | prefill | store | router
     model: str | None = None
     point: str | None = None
     uptime_s: float | None = None
@@ -277,9 +291,10 @@ class State(msgspec.Struct, kw_only=True, omit_defaults=True):
     limits: Limits | None = None
     capacity: Capacity | None = None
     integrity: Integrity | None = None
-    # disaggregated roles
+    # disaggregated roles (and the router: its targets are its peers)
     transfers: Transfers | None = None
     peers: list[Peer] | None = None
+    routing: Routing | None = None
     # the store
     store_id: str | None = None
     memory_bytes: int | None = None

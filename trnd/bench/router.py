@@ -53,7 +53,7 @@ def start(model: str, policy: str, args, tmp: Path) -> tuple[subprocess.Popen, i
                             stderr=subprocess.STDOUT)
     wait_ready(port, [proc], timeout=600)
     deadline = time.monotonic() + 300
-    while not all(t["healthy"] for t in httpx.get(f"http://127.0.0.1:{port}/admin/state").json()["targets"]):
+    while not all(t["healthy"] for t in httpx.get(f"http://127.0.0.1:{port}/admin/state").json()["peers"]):
         if time.monotonic() > deadline:
             raise RuntimeError("the decode servers never became healthy behind the router")
         time.sleep(0.5)
@@ -127,7 +127,7 @@ def main(args) -> int:
                 res["wall_s"] = time.perf_counter() - t0
                 res["prefill_computed"] = httpx.get(f"http://127.0.0.1:{admin}/admin/state").json()["stats"][
                     "prefill_tokens"]
-                res["routed"] = httpx.get(f"http://127.0.0.1:{port}/admin/state").json()["routed"]
+                res["routed"] = httpx.get(f"http://127.0.0.1:{port}/admin/state").json()["routing"]
             finally:
                 _stop([proc])
         results[policy] = res

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from trnd import snapshot as S
 from trnd.api.auth import APIKeyMiddleware
 from trnd.api.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from trnd.api.server import read_body
@@ -66,6 +67,8 @@ class RouterState:
     routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0, "random": 0})
     metrics: RouterMetrics | None = None
     sprayed: int = 0
+    retries: int = 0
+    failovers: int = 0
 
     async def wait_target(self) -> None:
         """Ready means ready, as on a decode server: a request (and /v1/models, which clients poll) that
@@ -89,6 +92,14 @@ class RouterState:
         t.requests += 1
         self.routed[rule] += 1
         self.metrics.requests.labels(t.addr, rule).inc()
+
+    def count_retry(self) -> None:
+        self.retries += 1
+        self.metrics.retries.inc()
+
+    def count_failover(self, t: Target) -> None:
+        self.failovers += 1
+        self.metrics.failovers.labels(t.addr).inc()
 
 
 def build_app(st: RouterState) -> Starlette:
@@ -209,16 +220,14 @@ async def metrics(request: Request) -> Response:
 
 
 async def admin_state(request: Request) -> Response:
+    """The router's part of the /admin/state schema (trnd/snapshot.py): its targets are its peers."""
     st = _state(request)
     now = time.monotonic()
-    return _json({
-        "role": "router",
-        "draining": st.draining,
-        "uptime_s": round(time.time() - st.started, 1),
-        "routed": st.routed,
-        "prefix_entries": len(st.index.map),
-        "targets": [{"addr": t.addr, "healthy": t.healthy, "model": t.model, "point": t.point,
-                     "max_model_len": t.max_model_len, "in_flight": t.in_flight, "requests": t.requests,
-                     "sessions": len(t.sessions), "error": t.error,
-                     "last_ok_s": round(now - t.last_ok, 2) if t.last_ok else None} for t in st.targets.all],
-    })
+    state = S.State(
+        role="router", uptime_s=round(time.time() - st.started, 1), draining=st.draining,
+        model=next((t.model for t in st.targets.all if t.model), None),
+        routing=S.Routing(**st.routed, retries=st.retries, failovers=st.failovers, prefix_entries=len(st.index.map)),
+        peers=[S.Peer(kind="decode", addr=t.addr, healthy=t.healthy, point=t.point, max_model_len=t.max_model_len,
+                      outstanding=t.in_flight, requests=t.requests, sessions=len(t.sessions), error=t.error,
+                      last_seen_s=round(now - t.last_ok, 2) if t.last_ok else None) for t in st.targets.all])
+    return _json(state)

@@ -53,7 +53,7 @@ class Proxied:
                                                    headers={"Retry-After": "2"} if e.fits else None))
             tried.add(target.addr)
             if attempt:
-                st.metrics.retries.inc()
+                st.count_retry()
             resp = await self._send_upstream(target, gone)
             if resp is None:  # the client left while waiting
                 return
@@ -68,7 +68,7 @@ class Proxied:
                 else:
                     st.targets.take_out(target, why)
                     st.index.forget(target.addr)
-                st.metrics.failovers.labels(target.addr).inc()
+                st.count_failover(target)
                 log.warning("request to %s failed before it started (%s): %s", target.addr, why,
                             "retrying" if attempt < st.cfg.retries else "giving up")
                 continue
@@ -126,7 +126,7 @@ class Proxied:
         except httpx.HTTPError as e:  # the target died mid-answer: an error the client can see, never a hang
             log.warning("target %s failed mid-response: %s", target.addr, e)
             self.st.targets.take_out(target, f"{type(e).__name__}: {e}")
-            self.st.metrics.failovers.labels(target.addr).inc()
+            self.st.count_failover(target)
             err = APIError(502, f"decode server {target.addr} failed during the response: {type(e).__name__}",
                            code="upstream_failed")
             tail = (b"data: " + error_bytes(err) + b"\n\ndata: [DONE]\n\n") if self.stream else b""

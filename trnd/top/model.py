@@ -252,10 +252,11 @@ class NodeTrack:
         """(counters, in-flight handoffs, peers) of a disaggregated role; empty for `serve`."""
         if self.state is None:
             return {}, [], []
-        tr = self.state.transfers
-        if tr is None:
+        tr, routing = self.state.transfers, self.state.routing
+        if tr is None and routing is None:
             return {}, [], []
-        counters = {k: v for k, v in msgspec.structs.asdict(tr).items()
+        tr = tr or S.Transfers()  # a router: its routing counters, its targets as peers
+        counters = {k: v for k, v in msgspec.structs.asdict(routing or tr).items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
         names = {str(p.id): _peer_id(p) for p in self.state.peers or [] if p.id is not None}
         flights = []
@@ -269,8 +270,8 @@ class NodeTrack:
         peers = []
         for p in self.state.peers or []:
             pid = _peer_id(p)
-            bits = [f"{k} {getattr(p, k)}" for k in ("requests", "outstanding", "load", "refused", "connects")
-                    if getattr(p, k) not in (None, 0, False)]
+            bits = [f"{k} {getattr(p, k)}" for k in ("point", "requests", "outstanding", "sessions", "load", "refused",
+                                                     "connects") if getattr(p, k) not in (None, 0, False)]
             if p.error:
                 bits.append(str(p.error))
             peers.append(PeerView(self.name, pid, p.kind, p.healthy, list(self.peer_hist.get(pid, ())),
