@@ -282,3 +282,19 @@ def test_trnd_top_shows_the_router_and_its_targets(router, backends):
     for s in backends:
         assert f"127.0.0.1:{s.port}" in out.stdout
     assert "sessions" in out.stdout
+
+
+def test_client_disconnect_aborts_the_request_on_its_server(router, backends):
+    """A client that leaves mid-stream: the router closes the upstream request, the decode server aborts it
+    and frees its pages (nothing keeps generating for nobody)."""
+    before = {s.port: s.state()["stats"]["aborted"] for s in backends}
+    with httpx.stream("POST", f"http://127.0.0.1:{router}/v1/completions", timeout=60,
+                      json={"prompt": "Once upon a time", "max_tokens": 900, "stream": True, "ignore_eos": True},
+                      headers={"x-session-id": "leaver"}) as r:
+        target = r.headers["x-trnd-target"]
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one token arrived: leave
+    server = next(s for s in backends if target.endswith(f":{s.port}"))
+    state = server.wait_idle(timeout=10)
+    assert state["stats"]["aborted"] == before[server.port] + 1  # aborted, not run to its 900 tokens
