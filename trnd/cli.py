@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from trnd.backends import BackendUnavailable
     from trnd.config import ConfigError, StartupError
+    from trnd.model.config import ModelError
     from trnd.log import journal_prefix
 
     try:
@@ -274,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     except StartupError as e:
         print(f"{journal_prefix(3)}trnd: cannot start: {e}", file=sys.stderr)
+        return EX_CONFIG
+    except ModelError as e:  # a missing model directory, an architecture trnd does not run: no restart fixes it
+        print(f"{journal_prefix(3)}trnd: model error: {e}", file=sys.stderr)
         return EX_CONFIG
     except BackendUnavailable as e:
         print(f"{journal_prefix(3)}trnd: {e}", file=sys.stderr)

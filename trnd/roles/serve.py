@@ -20,9 +20,12 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
     from trnd.roles.runtime import http_server, run_async
 
     if not cfg.aggregated:
+        from trnd.model.config import ModelConfig
         from trnd.roles import local
 
-        return local.run(cfg, str(resolve_model(cfg.model)))
+        model = resolve_model(cfg.model)
+        ModelConfig.from_dir(model)  # a bad model is one line here, not one per child
+        return local.run(cfg, str(model))
     with Lifecycle("serve", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)
         life.status(f"loading {model_dir}")
