@@ -202,14 +202,22 @@ def test_wrong_secret_never_handshakes(tiny_qwen3, secret, tmp_path):
         assert admin_state(port)["peers"][0]["connects"] == 0
         assert httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 503
     finally:
-        stop(dec)
-        out = stop(pre)
+        out = stop(dec)  # the decode side rejects the prefill's Challenge (MACed with the other secret)
+        out += stop(pre)
     assert "bad MAC" in out
 
 
 @pytest.mark.slow
-def test_prefill_killed_mid_transfer_retries_on_the_other_peer(tiny_qwen3, secret):
-    d = Deployment(tiny_qwen3, secret, n_prefill=2)
+def short_deadline(tmp_path, seconds=15.0) -> tuple[str, str]:
+    """A killed peer's target pages are quarantined until its requests' deadline (+ fence_s): a stopped
+    prefill posts nothing after it. Short here so the pool's return is seen soon."""
+    cfg = tmp_path / "decode-deadline.toml"
+    cfg.write_text(f"handoff_timeout_s = {seconds}\n")
+    return "--config", str(cfg)
+
+
+def test_prefill_killed_mid_transfer_retries_on_the_other_peer(tiny_qwen3, secret, tmp_path):
+    d = Deployment(tiny_qwen3, secret, n_prefill=2, decode_extra=short_deadline(tmp_path))
     try:
         long = prompts([6000], seed=5)[0]
         expected = aggregated(tiny_qwen3, [long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -229,14 +237,14 @@ def test_prefill_killed_mid_transfer_retries_on_the_other_peer(tiny_qwen3, secre
         st = admin_state(d.port)["transfers"]
         assert st["retried"] == 1
         d.prefills.remove(victim)
-        assert wait_for(d.baseline_ok, timeout=15)  # quarantined pages come back after fence_s
+        assert wait_for(d.baseline_ok, timeout=30)  # quarantined pages come back after the deadline + fence_s
     finally:
         d.close()
 
 
 @pytest.mark.slow
-def test_prefill_killed_with_no_other_peer_fails_503_and_restart_is_rehandshaked(tiny_qwen3, secret):
-    d = Deployment(tiny_qwen3, secret)
+def test_prefill_killed_with_no_other_peer_fails_503_and_restart_is_rehandshaked(tiny_qwen3, secret, tmp_path):
+    d = Deployment(tiny_qwen3, secret, decode_extra=short_deadline(tmp_path))
     try:
         proc, cp, ap = d.prefills[0]
         long = prompts([6000], seed=6)[0]
@@ -249,7 +257,7 @@ def test_prefill_killed_with_no_other_peer_fails_503_and_restart_is_rehandshaked
         proc.send_signal(signal.SIGKILL)
         t.join(60)
         assert result["status"] == 503 or "error" in result
-        assert wait_for(d.baseline_ok, timeout=15)
+        assert wait_for(d.baseline_ok, timeout=30)
         # restart the prefill on the same port: decode re-handshakes by itself
         new = start_role("prefill", tiny_qwen3, secret, "--kv-memory-gb", "0.25", control_port=cp, admin_port=ap)
         d.prefills[0][0] = new

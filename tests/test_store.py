@@ -278,11 +278,9 @@ def test_reserved_but_uncommitted_is_never_served(client_a, store, ns):
         host, port = store.addr.rsplit(":", 1)
         r, w = await asyncio.open_connection(host, int(port))
         ch = S.StoreChannel(r, w, SECRET.encode())
-        nonce = S.new_nonce()
-        await ch.send(S.StoreHello(m, "raw", nonce))
+        await ch.answer(lambda nonce: S.StoreHello(m, "raw", nonce))  # the store's Challenge, then our Hello
         wel = await ch.recv(strict=True)
         assert isinstance(wel, S.StoreWelcome)
-        ch.rekey(S.session_key(SECRET.encode(), nonce, wel.nonce))
         await ch.send(S.Reserve(1, hs))
         res = await ch.recv()
         assert isinstance(res, S.Reserved) and all(s >= 0 for s in res.slots)

@@ -47,6 +47,11 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_requests: Positive = 1024  # in flight; beyond this new requests get 503 + Retry-After
     max_body_bytes: Positive = 4 * 2**20
     max_n: Annotated[int, Meta(ge=1, le=128)] = 16
+    max_stop: Positive = 4  # stop sequences per request (OpenAI's limit)
+    max_stop_chars: Positive = 1024  # their total length
+    max_job_tokens: Positive | None = None  # n x (prompt + max_tokens) of one request; None: no cap
+    max_header_bytes: Positive = 64 * 2**10  # request line + headers; beyond: 431
+    header_timeout_s: Annotated[float, Meta(gt=0)] = 10.0  # the headers must be in by then, or the connection is closed
     served_model_name: str | None = None
     threads: Positive | None = None
     log_level: str = "info"
@@ -176,6 +181,9 @@ class DecodeConfig(ServeConfig, kw_only=True):
     peer_timeout_s: Annotated[float, Meta(gt=0)] = 3.0  # no frame for this long: the peer is dead
     fence_s: Annotated[float, Meta(ge=0)] = 2.0  # after losing a peer, its target pages rest this long
     prefill_retries: Annotated[int, Meta(ge=0)] = 1
+    # A request's KV must have landed this long after it was sent to a prefill peer, or it fails with
+    # 504; prefill posts no write for it after that (roles/decode.py, transfer/protocol.PrefillReq).
+    handoff_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
 
     resolved_secret = RoleConfig.resolved_secret
 

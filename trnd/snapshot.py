@@ -204,6 +204,7 @@ class Transfers(_S):
     xfer_ms: float | None = None
     failed: int | None = None
     fenced: int | None = None
+    timed_out: int | None = None  # decode: handoffs past handoff_timeout_s (504)
     kv_pages_received: int | None = None
     aborted: int | None = None
     refused: int | None = None

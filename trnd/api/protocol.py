@@ -17,6 +17,7 @@ from trnd.api.errors import APIError, invalid
 from trnd.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+INT64 = (-2**63, 2**63 - 1)  # JSON integers are unbounded; the engine and the control plane carry int64
 
 
 # -- requests ---------------------------------------------------------------------------------------
@@ -119,8 +120,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_n: int) -> tuple[SamplingParams, int]:
-    """Validate ranges and build the engine's SamplingParams (max_tokens still unresolved: 0 = default)."""
+def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_n: int, max_stop: int = 4,
+                       max_stop_chars: int = 1024) -> tuple[SamplingParams, int]:
+    """Validate ranges and build the engine's SamplingParams (max_tokens still unresolved: 0 = default).
+    Stop strings are matched on the engine thread for every token of every choice, so their number
+    and length are capped (OpenAI allows 4)."""
     _range("temperature", req.temperature, 0.0, 2.0)
     _range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
     _range("min_p", req.min_p, 0.0, 1.0)
@@ -134,6 +138,9 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_n: in
     n = 1 if req.n is None else req.n
     if not 1 <= n <= max_n:
         raise invalid("n", f"n must be in [1, {max_n}], got {n}")
+    if req.seed is not None and not INT64[0] <= req.seed <= INT64[1] - (n - 1):  # choice i uses seed + i
+        raise invalid("seed", f"seed must be a 64-bit signed integer in [{INT64[0]}, {INT64[1] - (n - 1)}]"
+                              f"{' with n = ' + str(n) if n > 1 else ''}, got {req.seed}")
 
     max_tokens, max_name = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
@@ -164,6 +171,11 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_n: in
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     stop = [s for s in stop if s]  # "" would match everywhere; OpenAI ignores it too
+    if len(stop) > max_stop:
+        raise invalid("stop", f"stop has {len(stop)} sequences; at most {max_stop} are allowed")
+    if sum(len(s) for s in stop) > max_stop_chars:
+        raise invalid("stop", f"stop sequences total {sum(len(s) for s in stop)} characters; at most "
+                              f"{max_stop_chars} are allowed")
     top_k = -1 if req.top_k is None else req.top_k
     if top_k >= 2**31:  # beyond any vocabulary: off (and it must fit the sampler's int64 tensor)
         top_k = -1

@@ -30,7 +30,7 @@ from trnd.api.errors import APIError, error_bytes, from_decode_error
 from trnd.api.stream import EventStream, merge, sse, until_disconnect
 from trnd.config import ServeConfig
 from trnd.engine.engine import LengthError
-from trnd.engine.loop import EngineLoop, QueueFull, Unavailable
+from trnd.engine.loop import DeadlineExceeded, EngineLoop, QueueFull, Unavailable
 from trnd.engine.output import StepOutput, TokenLogprob
 from trnd.sampling_params import SamplingParams
 
@@ -85,6 +85,8 @@ async def _decode(request: Request, st: AppState, typ: type):
         req = msgspec.json.decode(body, type=typ)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
+    except RecursionError:  # msgspec's nesting limit
+        raise APIError(400, "The request body is nested too deeply", code="invalid_json") from None
     if req.model is not None and req.model != st.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist (this server serves `{st.model_name}`)",
                        param="model", code="model_not_found")
@@ -100,7 +102,7 @@ async def _encode(st: AppState, text: str, add_special_tokens: bool) -> list[int
 async def chat_completions(request: Request) -> Response:
     arrival, st = time.monotonic(), state_of(request)
     req: P.ChatCompletionRequest = await _decode(request, st, P.ChatCompletionRequest)
-    params, n = P.to_sampling_params(req, st.cfg.max_n)
+    params, n = P.to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
     messages = P.chat_messages(req)
     try:
         prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -116,7 +118,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     arrival, st = time.monotonic(), state_of(request)
     req: P.CompletionRequest = await _decode(request, st, P.CompletionRequest)
-    params, n = P.to_sampling_params(req, st.cfg.max_n)
+    params, n = P.to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
     prompt = P.check_completion_prompt(req.prompt)
     ids = await _encode(st, prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
     job = Job(st, "completion", ids, params, n, req.session_id, bool(req.stream),
@@ -133,6 +135,8 @@ def _translate(e: BaseException, prompt_param: str, num_prompt: int, max_model_l
     if isinstance(e, QueueFull):
         return APIError(503, f"The server is overloaded ({e}); retry later", code="overloaded",
                         headers={"Retry-After": "1"})
+    if isinstance(e, DeadlineExceeded):
+        return APIError(504, f"The request timed out: {e}", type="server_error", code="timeout")
     if isinstance(e, Unavailable):
         return APIError(503, f"The server cannot serve this request now: {e}", code="unavailable",
                         headers={"Retry-After": "2"})
@@ -157,6 +161,7 @@ class Job:
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"{prompt_param}: token ids must be in [0, {vocab})", param=prompt_param)
+        max_given = params.max_tokens != 0
         if params.max_tokens == 0:  # not given: the rest of the context (chat) or OpenAI's 16 (completions)
             left = max(1, self.max_model_len - len(ids))
             params.max_tokens = left if kind == "chat" else min(COMPLETIONS_DEFAULT_MAX_TOKENS, left)
@@ -164,13 +169,25 @@ class Job:
             engine.check_length(len(ids), params.max_tokens)
         except LengthError as e:
             raise self.translate(e) from None
+        if params.min_tokens > params.max_tokens:
+            raise APIError(400, f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens}"
+                                f"{', what the context leaves' if not max_given else ''})", param="min_tokens")
+        cap = st.cfg.max_job_tokens
+        if cap is not None and n * (len(ids) + params.max_tokens) > cap:
+            raise APIError(400, f"n x (prompt + max_tokens) = {n} x {len(ids) + params.max_tokens} tokens exceeds "
+                                f"this server's limit of {cap}", param="n")
         loop = st.loop
-        if loop.num_requests + n > loop.max_requests:
+        # The admission decision is made here, before any reply starts: the n slots are reserved now
+        # (no await since the check), so a streamed reply never turns into an error after its 200.
+        if not loop.reserve(self.rids):
             raise self.translate(QueueFull(f"{loop.num_requests} requests in flight (limit {loop.max_requests})"))
         self.params = [params if n == 1 or params.seed is None
                        else msgspec.structs.replace(params, seed=params.seed + i) for i in range(n)]
         self.want_logprobs = params.logprobs is not None
         self.trackers = [st.metrics.tracker(arrival) for _ in range(n)]
+
+    def release(self) -> None:
+        self.st.loop.unreserve(self.rids)
 
     def translate(self, e: BaseException) -> APIError | None:
         return _translate(e, self.prompt_param, len(self.ids), self.max_model_len)
@@ -178,8 +195,11 @@ class Job:
     async def respond(self, request: Request) -> Response | EventStream:
         headers = {"X-Request-Id": self.id}
         if self.stream:
-            return EventStream(self.events(), headers)
-        result = await until_disconnect(request.receive, self.collect())
+            return EventStream(self.events(), headers, on_close=self.release)
+        try:
+            result = await until_disconnect(request.receive, self.collect())
+        finally:
+            self.release()
         if result is None:  # the client left; nobody will read this
             return Response(status_code=499)
         return json_response(result, headers=headers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 import msgspec
 from starlette.types import Receive, Scope, Send
@@ -77,8 +77,9 @@ class EventStream:
     """A server-sent-events reply that stops (and closes its event source, aborting the engine
     requests) the moment the client disconnects, even while no event is due (a long prefill)."""
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None):
-        self.events = events
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 on_close: Callable[[], None] | None = None):
+        self.events, self.on_close = events, on_close
         self.status_code = 200
         h = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
              "x-accel-buffering": "no", **{k.lower(): v for k, v in (headers or {}).items()}}
@@ -98,3 +99,5 @@ class EventStream:
             await until_disconnect(receive, pump())
         finally:
             await self.events.aclose()
+            if self.on_close is not None:
+                self.on_close()

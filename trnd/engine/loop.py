@@ -30,6 +30,10 @@ class Unavailable(RuntimeError):
     prefill peer reachable. The message says which."""
 
 
+class DeadlineExceeded(RuntimeError):
+    """A step of the request did not happen in time (504): the message says which (a KV handoff)."""
+
+
 class QueueFull(Unavailable):
     """More requests in flight than the configured limit: the client should retry later."""
 
@@ -50,6 +54,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._reserved: set[str] = set()  # admitted by the API (reserve), generate() not started yet
         self._thread = threading.Thread(target=self._run, name="trnd-engine", daemon=True)
         self.stall_s = 0.0  # test hook: a step that takes this long (a hung loop, for watchdog tests)
 
@@ -67,7 +72,19 @@ class EngineLoop:
 
     @property
     def num_requests(self) -> int:
-        return len(self._queues)
+        return len(self._queues) + len(self._reserved)
+
+    def reserve(self, rids: list[str]) -> bool:
+        """Admit these requests now (from the server's event loop, before any reply starts), or refuse
+        all of them: over max_requests. generate() of a reserved rid is never refused for the limit."""
+        if self.num_requests + len(rids) > self.max_requests:
+            return False
+        self._reserved.update(rids)
+        return True
+
+    def unreserve(self, rids: list[str]) -> None:
+        """Give back what was reserved and never started (the client left first)."""
+        self._reserved.difference_update(rids)
 
     # -- called from any thread ---------------------------------------------------------------------
 
@@ -93,8 +110,10 @@ class EngineLoop:
                        session_id: str | None = None) -> AsyncIterator[StepOutput]:
         """Stream one request's outputs. Cancelling the consumer (client gone) aborts the request."""
         self.engine.check_length(len(prompt_ids), params.max_tokens)
-        if len(self._queues) >= self.max_requests:
-            raise QueueFull(f"{len(self._queues)} requests in flight (limit {self.max_requests})")
+        if rid in self._reserved:
+            self._reserved.discard(rid)
+        elif self.num_requests >= self.max_requests:
+            raise QueueFull(f"{self.num_requests} requests in flight (limit {self.max_requests})")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), q)
         try:

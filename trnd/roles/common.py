@@ -22,6 +22,11 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
     page size, max context, max batch and prefill chunk come from the point, the pool from the
     memory budget; refuses to start if one max-context sequence cannot fit, or if the model is not
     configured for the point's max context (max_position_embeddings, or its rope scaling)."""
+    from trnd.transfer.nixl import bind_for
+
+    # UCX listens on one interface only: prefill's (where decode servers reach it), decode's toward
+    # its peers (its API's host says nothing about where prefill reaches its pool)
+    bind_for(None if role == "decode" else cfg.host, [*getattr(cfg, "prefill", []), *cfg.store])
     point = get_point(cfg.point)
     dtype, _ = resolve_dtype(cfg.dtype, cfg.backend)  # the pool's page bytes follow the computed dtype
     mc = ModelConfig.from_dir(model_dir, dtype)

@@ -19,7 +19,7 @@ import msgspec
 
 from trnd import snapshot as S
 from trnd.config import DecodeConfig
-from trnd.engine.loop import EngineLoop, Unavailable
+from trnd.engine.loop import DeadlineExceeded, EngineLoop, Unavailable
 from trnd.engine.parked import Landing, Parked
 from trnd.engine.request import Req
 from trnd.engine.sampler import SampleOut
@@ -80,7 +80,8 @@ class DecodeServer:
         self.peers = [PrefillPeer(a) for a in cfg.prefill]
         self.awaited = Awaited()  # every request a peer is writing KV for (transfer/handoff.py)
         self.aio: asyncio.AbstractEventLoop | None = None
-        self.stats = {"handoffs": 0, "retried": 0, "failed": 0, "fenced": 0, "kv_pages_received": 0}
+        self.stats = {"handoffs": 0, "retried": 0, "failed": 0, "fenced": 0, "timed_out": 0,
+                      "kv_pages_received": 0}
 
     @property
     def ready(self) -> bool:
@@ -114,10 +115,14 @@ class DecodeServer:
         host, port = peer.addr.rsplit(":", 1)
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
         chan = P.Channel(reader, writer, self.secret, name=f"prefill@{peer.addr}")
-        nonce = P.new_nonce()
         regions = [P.PoolRegion(base, self.engine.pool.num_pages) for base in self.agent.bases]
-        await chan.send(P.Hello(self.manifest, self.agent.name, self.agent.metadata(), regions, nonce))
-        reply = await asyncio.wait_for(chan.recv(), 10)
+        try:
+            await chan.answer(lambda nonce: P.Hello(self.manifest, self.agent.name, self.agent.metadata(), regions,
+                                                    nonce))
+            reply = await asyncio.wait_for(chan.recv(strict=True), 10)
+        except BaseException:
+            chan.close()
+            raise
         if isinstance(reply, P.Refused):
             chan.close()
             if peer.refused != reply.reason:
@@ -134,13 +139,19 @@ class DecodeServer:
                 log.error("prefill %s does not match this decode server: %s", peer.addr, why)
             peer.refused = why
             raise ConnectionError(f"refused: {why}")
-        chan.rekey(P.session_key(self.secret, nonce, reply.nonce))
-        name = await self.loop.run_on_loop(lambda: self.agent.add_peer(reply.agent_meta))
+        name = await self.loop.run_on_loop(lambda: self._handshaked(peer, reply.agent_meta))
         peer.chan, peer.agent_name, peer.manifest = chan, name, reply.manifest
         peer.refused, peer.error = None, None
         peer.healthy, peer.last_seen = True, time.monotonic()
         peer.connects += 1
         log.info("prefill %s handshaked (agent %s, tp=%d)", peer.addr, name, reply.manifest.tp)
+
+    def _handshaked(self, peer: PrefillPeer, meta: bytes) -> str:
+        """Engine thread: a Welcome means the peer's earlier session is over (prefill settles it before
+        answering; a new process means the old one is gone): its quarantined pages are free again."""
+        for pages in self.awaited.release(peer.addr):
+            self.engine.drop(pages)
+        return self.agent.add_peer(meta)
 
     async def _serve_peer(self, peer: PrefillPeer) -> None:
         chan = peer.chan
@@ -152,9 +163,9 @@ class DecodeServer:
                 if isinstance(msg, P.KVDone):
                     self.loop.call(lambda m=msg: self.awaited.kv_done(m.rid, m))
                 elif isinstance(msg, P.Aborted):
-                    self.loop.call(lambda m=msg: self.awaited.aborted(m.rid))
+                    self.loop.call(lambda m=msg: self._settled(m.rid) or self.awaited.aborted(m.rid))
                 elif isinstance(msg, P.PrefillFailed):
-                    self.loop.call(lambda m=msg: self.awaited.failed(m.rid, m.reason))
+                    self.loop.call(lambda m=msg: self._settled(m.rid) or self.awaited.failed(m.rid, m.reason))
                 elif isinstance(msg, P.Pong):
                     peer.load = msg.load
                 else:
@@ -186,6 +197,17 @@ class DecodeServer:
             await chan.send(msg)
         except (ConnectionError, OSError) as e:
             log.warning("send to %s failed: %s", chan.name, e)
+        except Exception as e:  # e.g. a value msgpack cannot encode: the request must not wait forever
+            log.error("could not send %s to %s: %s: %s", type(msg).__name__, chan.name, type(e).__name__, e)
+            if isinstance(msg, P.PrefillReq):
+                self.loop.call(lambda: self.awaited.failed(msg.rid, f"the handoff could not start ({e})"))
+
+    def _settled(self, rid: str) -> bool:
+        """The peer's word on a timed-out handoff: no write can land any more, free its pages."""
+        pages = self.awaited.settled(rid)
+        if pages is not None:
+            self.engine.drop(pages)
+        return pages is not None
 
     # -- engine thread: the scheduler's "KV from a peer" source --------------------------------------
 
@@ -205,9 +227,11 @@ class DecodeServer:
             return FromPrefill(self, req, Unavailable(f"no prefill server available ({reasons})"))
         skip = req.num_cached // self.point.page_size
         req.handoffs += 1
-        self.awaited.expect(req.rid, peer.addr, req.pages[skip:], time.monotonic())
+        now, timeout = time.monotonic(), self.cfg.handoff_timeout_s
+        self.awaited.expect(req.rid, peer.addr, req.pages[skip:], now, now + timeout)
         self.stats["handoffs"] += 1
-        self._send(peer, P.PrefillReq(req.rid, req.prompt_ids, req.params, skip, req.pages[skip:]))
+        self._send(peer, P.PrefillReq(req.rid, req.prompt_ids, req.params, skip, req.pages[skip:],
+                                      expires=time.time() + timeout))
         return FromPrefill(self, req)
 
     def landing(self, job: FromPrefill, a) -> Landing:
@@ -228,6 +252,8 @@ class DecodeServer:
             self.stats["failed"] += 1
             return Landing(error=Unavailable(f"prefill server {a.peer} was lost during the request"))
         self.stats["failed"] += 1
+        if a.over == "timeout":
+            return Landing(error=DeadlineExceeded(a.reason))
         return Landing(error=Unavailable(f"prefill failed: {a.reason}"))
 
     def fence(self, rid: str) -> None:
@@ -243,8 +269,19 @@ class DecodeServer:
             for m in msgs:
                 rid, _, _ = m.decode(errors="replace").rpartition("|")
                 self.awaited.notified(rid)
+        now = time.monotonic()
+        for a in self.awaited.overdue(now):  # stalled: fail it now, hold its pages until the peer's word
+            log.warning("handoff of %s: %s", a.rid, a.reason)
+            self.stats["timed_out"] += 1
+            self.engine.hold(a.target)
+            peer = self._peer(a.peer)
+            if peer is not None and peer.chan is not None:
+                self._send(peer, P.Abort(a.rid))
+            else:  # not connected: nothing new can be posted; what was may still land within fence_s
+                addr, pages = self.awaited.cut.pop(a.rid)
+                self.awaited.quarantine.append((now + self.cfg.fence_s, pages, addr))
         if self.awaited.quarantine:
-            for pages in self.awaited.expire(time.monotonic()):
+            for pages in self.awaited.expire(now):
                 self.engine.drop(pages)
         return bool(self.awaited)
 
@@ -293,7 +330,7 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
         app = build_app(server.loop, cfg, name, server.state_extra)
         st = app.state.trnd
         st.ready_fn = lambda: server.ready
-        http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s)
+        http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, cfg)
 
         def waiting() -> str:
             return "no prefill peer yet: " + "; ".join(f"{p.addr}: {p.refused or p.error or 'connecting'}"

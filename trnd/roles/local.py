@@ -23,7 +23,7 @@ from pathlib import Path
 
 import msgspec
 
-from trnd.config import ServeConfig
+from trnd.config import ConfigError, ServeConfig
 from trnd.procs import EX_CONFIG, die_with_parent, free_port, is_ready
 
 log = logging.getLogger("trnd.local")
@@ -64,7 +64,8 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
         control = cfg.prefill_control_port + i if cfg.prefill_control_port else free_port()
         admin = cfg.prefill_admin_port + i if cfg.prefill_admin_port else free_port()
         path = _write(workdir / f"prefill{i}.toml", {**role, "host": "127.0.0.1", "control_port": control,
-                                                     "admin_port": admin, "api_key": cfg.resolved_api_key()})
+                                                     "admin_port": admin, "api_key": cfg.resolved_api_key(),
+                                                     "drain_timeout_s": cfg.drain_timeout_s})
         children.append(Child(f"prefill{i}", "prefill", path, admin))
         controls.append(f"127.0.0.1:{control}")
     dec = msgspec.structs.asdict(cfg)
@@ -88,7 +89,24 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
     return children
 
 
-def run(cfg: ServeConfig, model: str) -> int:
+KEEP_ON_RELOAD = ("host", "port", "control_port", "admin_port", "prefill", "targets", "secret_file")
+
+
+def rewrite(children: list[Child], fresh: list[Child]) -> None:
+    """Reload: the children's files get the re-read config's values, but the ports, peers and secret
+    they started with (what they listen on and handshaked). The count of servers needs a restart."""
+    if [c.name for c in children] != [c.name for c in fresh]:
+        log.warning("reload: the number of prefill/decode servers changed: needs a restart, ignored")
+    for old, new in zip(children, fresh):
+        if old.name != new.name:
+            break
+        data = msgspec.toml.decode(new.config.read_bytes())
+        kept = msgspec.toml.decode(old.config.read_bytes())
+        data.update({k: kept[k] for k in KEEP_ON_RELOAD if k in kept})
+        _write(old.config, data)
+
+
+def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
     """The supervisor speaks for the deployment to systemd (NotifyAccess=main): READY once every child
     answers /ready, WATCHDOG while the API front's /health answers, STOPPING/RELOADING around forwarded
     signals. The children get no NOTIFY_SOCKET of their own."""
@@ -113,14 +131,31 @@ def run(cfg: ServeConfig, model: str) -> int:
         stopping, ready = False, False
         reloading_since: float | None = None
 
+        def reread() -> None:
+            """SIGHUP: re-read the deployment's config and rewrite the children's files, which each
+            child then re-reads on its own SIGHUP. A bad file changes nothing."""
+            if reload_source is None:
+                return
+            try:
+                new = reload_source()
+                scratch = Path(tmp) / "reload"
+                scratch.mkdir(exist_ok=True)
+                rewrite(children, role_configs(new, model, scratch))
+            except (ConfigError, OSError, ValueError) as e:
+                log.error("reload failed, keeping the running configuration: %s", str(e).replace("\n", " "))
+
         def forward(signum, _frame):
             nonlocal stopping, reloading_since
             if signum in (signal.SIGTERM, signal.SIGINT):
+                # The front drains first; the servers behind it keep serving until it is done.
                 stopping = True
                 notify.stopping("draining")
-            elif signum == signal.SIGHUP:
-                reloading_since = time.monotonic()
-                notify.reloading("reloading the deployment")
+                if front.proc.poll() is None:
+                    front.proc.send_signal(signum)
+                return
+            reloading_since = time.monotonic()
+            notify.reloading("reloading the deployment")
+            reread()
             for c in children:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signum)
@@ -154,12 +189,16 @@ def run(cfg: ServeConfig, model: str) -> int:
                     c.backoff = min(c.backoff * 2, 10)
                     start(c)
             time.sleep(0.2)
-        for c in children[:-1]:  # the front is gone: its servers go too
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        for c in children[:-1]:
-            try:
-                c.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
+        # The front is gone: its servers go too, decode servers (draining what they hold) before the
+        # prefill servers they may still be waiting on.
+        for group in ([c for c in children[:-1] if c.role != "prefill"], [c for c in children if c.role == "prefill"]):
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            for c in group:
+                try:
+                    c.proc.wait(cfg.drain_timeout_s + 15)
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
         return rc if not stopping else (0 if rc in (0, -signal.SIGTERM, -signal.SIGINT) else rc)

@@ -58,6 +58,8 @@ class PrefillServer:
         self.layout = layout_of(self.engine)
         self.agent = self.engine.kv_agent()
         self.engine.on_forward = self._ship
+        self._names: dict[int, str] = {}  # peer id -> its decode agent (kept while its shipments settle)
+        self._failed: list[str] = []  # local rids whose handoff failed mid-step: aborted by the next _poll
         self.loop = EngineLoop(self.engine, poll=self._poll, on_output=self._on_output)
         self.handoffs = Shipped()  # local rid -> what was shipped to which decode peer (transfer/handoff.py)
         self.peers: dict[int, Peer] = {}
@@ -78,8 +80,8 @@ class PrefillServer:
         addr = writer.get_extra_info("peername")
         chan = P.Channel(reader, writer, self.secret, name=f"decode@{addr}")
         try:
-            hello = await asyncio.wait_for(chan.recv(strict=True), 10)
-        except (P.ChannelClosed, asyncio.TimeoutError) as e:
+            hello, challenge = await chan.challenge()
+        except (P.ChannelClosed, asyncio.TimeoutError, ConnectionError, OSError) as e:
             self.stats["unauthenticated"] += 1
             log.warning("connection from %s dropped before a valid Hello: %s", addr, e)
             chan.close()
@@ -88,26 +90,40 @@ class PrefillServer:
             log.warning("%s: first message was %s, not Hello; closing", chan.name, type(hello).__name__)
             chan.close()
             return
-        why = P.mismatch(self.manifest, hello.manifest)
+        chan.session(hello.nonce, challenge)
+        why = await self._claim(hello.agent_name)  # who it is, before what it is
+        if why is None:
+            why = P.mismatch(self.manifest, hello.manifest)
         if why is None:
             try:
                 plan = make_plan(self.layout, layout_from(hello.manifest))
             except ValueError as e:
                 why = f"layout: prefill tp={self.manifest.tp}, decode tp={hello.manifest.tp}: {e}"
+        agent_name = None
+        if why is None:
+            try:
+                agent_name = self.agent.add_peer(hello.agent_meta)
+            except Exception as e:  # NIXL could not parse it
+                why = f"agent metadata refused by NIXL: {e}"
+            else:
+                if agent_name != hello.agent_name:
+                    self.agent.remove_peer(agent_name)
+                    why = f"agent metadata names {agent_name!r}, the Hello claims {hello.agent_name!r}"
         if why is not None:
             self.stats["refused"] += 1
             log.error("refused decode server %s: %s", addr, why)
-            await chan.send(P.Refused(why))
+            try:
+                await chan.send(P.Refused(why))
+            except (ConnectionError, OSError):
+                pass
             chan.close()
             return
-        agent_name = self.agent.add_peer(hello.agent_meta)
-        nonce = P.new_nonce()
-        await chan.send(P.Welcome(self.manifest, self.agent.name, self.agent.metadata(), nonce))
-        chan.rekey(P.session_key(self.secret, hello.nonce, nonce))
         peer = Peer(next(self._ids), chan, agent_name, hello.manifest, hello.regions, plan, layout_from(hello.manifest))
         self.peers[peer.id] = peer
-        log.info("decode server %s connected (agent %s, tp=%d)", addr, agent_name, hello.manifest.tp)
+        self._names[peer.id] = agent_name
         try:
+            await chan.send(P.Welcome(self.manifest, self.agent.name, self.agent.metadata(), challenge))
+            log.info("decode server %s connected (agent %s, tp=%d)", addr, agent_name, hello.manifest.tp)
             while True:
                 msg = await chan.recv()
                 if isinstance(msg, P.PrefillReq):
@@ -118,12 +134,28 @@ class PrefillServer:
                     await chan.send(P.Pong(msg.t, self.engine.load))
                 else:
                     chan._reject(f"unexpected {type(msg).__name__}")
-        except P.ChannelClosed as e:
+        except (P.ChannelClosed, ConnectionError, OSError) as e:  # a reset shows up on send, too
             log.warning("decode server %s gone: %s; aborting its requests", addr, e)
         finally:
             peer.alive = False
             chan.close()
             self.loop.call(lambda: self._peer_lost(peer))
+
+    async def _claim(self, agent_name: str, wait_s: float = 5.0) -> str | None:
+        """A decode agent is one peer at a time. Its earlier connection may be on its way out (the
+        decode reconnected while this process was stopped): wait for that one's requests to settle, so
+        that when Welcome goes out no write of the old session can still be posted; else refuse."""
+        def busy() -> list[int]:
+            shipping = {h.peer for h in list(self.handoffs.by_local.values())}
+            return sorted(pid for pid, name in list(self._names.items())
+                          if name == agent_name and (pid in self.peers or pid in shipping))
+        deadline = time.monotonic() + wait_s
+        while busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        ids = busy()
+        if ids:
+            return f"decode agent {agent_name!r} is already connected (peer {ids[0]})"
+        return None
 
     def _send(self, peer: Peer, msg) -> None:
         """From the engine thread: queue a control message on the asyncio loop."""
@@ -157,7 +189,11 @@ class PrefillServer:
         except (LengthError, ValueError) as e:
             self._send(peer, P.PrefillFailed(m.rid, str(e)))
             return
-        self.handoffs.add(local, m.rid, peer.id, m.skip_pages, m.dst_pages)
+        if m.expires and time.time() >= m.expires:  # read late (this process was stopped): decode gave up
+            self.engine.abort(local)
+            self._send(peer, P.PrefillFailed(m.rid, "the request reached prefill after its handoff deadline"))
+            return
+        self.handoffs.add(local, m.rid, peer.id, m.skip_pages, m.dst_pages).expires = m.expires
         peer.requests += 1
         self.stats["requests"] += 1
 
@@ -172,7 +208,13 @@ class PrefillServer:
                                       self.cfg.pipeline)
             if not idx:
                 continue
-            peer = self.peers[h.peer]
+            peer = self.peers.get(h.peer)
+            if peer is None or not peer.alive:
+                self._fail(req.rid, h, "decode peer gone")
+                continue
+            if h.expires and time.time() >= h.expires:
+                self._fail(req.rid, h, "handoff deadline passed before the KV was written")
+                continue
             src = [req.pages[i] for i in idx]
             dst = [h.dst_pages[i - h.skip_pages] for i in idx]
             sd, dd = descriptors(peer.plan, self.layout, peer.layout, self.agent.bases,
@@ -202,7 +244,10 @@ class PrefillServer:
         self._settle(out.rid)
 
     def _poll(self) -> bool:
-        """Reap finished transfers (engine thread, every loop iteration)."""
+        """Abort what failed during the last step, reap finished transfers (engine thread, every loop
+        iteration, between steps)."""
+        while self._failed:
+            self.engine.abort(self._failed.pop())
         for local, h, x, ok in self.handoffs.reap(self.agent.state):
             self.agent.release(x.handle)
             self.engine.drop(x.src)
@@ -235,7 +280,9 @@ class PrefillServer:
             return
         self.stats["failed"] += 1
         log.warning("prefill of %s for decode peer %d failed: %s", h.rid, h.peer, why)
-        self.engine.abort(local)
+        # Not engine.abort here: this may run inside a step (on_forward), whose postprocess still
+        # delivers the request's output. The abort waits for the next _poll, between steps.
+        self._failed.append(local)
         h.aborted = True
         self._send_to(h.peer, P.PrefillFailed(h.rid, why))
 

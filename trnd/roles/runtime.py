@@ -20,8 +20,12 @@ class HTTPServer(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-def http_server(app, host: str, port: int, drain_timeout_s: float = 30.0) -> HTTPServer:
-    return HTTPServer(uvicorn.Config(app, host=host, port=port, loop="none", http="httptools", log_config=None,
+def http_server(app, host: str, port: int, drain_timeout_s: float = 30.0, cfg=None) -> HTTPServer:
+    """cfg (ServeConfig): max_header_bytes and header_timeout_s of the public port."""
+    from trnd.api.http import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, protocol
+
+    proto = protocol(getattr(cfg, "max_header_bytes", MAX_HEADER_BYTES), getattr(cfg, "header_timeout_s", HEADER_TIMEOUT_S))
+    return HTTPServer(uvicorn.Config(app, host=host, port=port, loop="none", http=proto, log_config=None,
                                      access_log=False, lifespan="off",
                                      timeout_graceful_shutdown=int(drain_timeout_s) or None))
 

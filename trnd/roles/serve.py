@@ -25,8 +25,11 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
 
         model = resolve_model(cfg.model)
         ModelConfig.from_dir(model)  # a bad model is one line here, not one per child
-        return local.run(cfg, str(model))
+        return local.run(cfg, str(model), reload_source)
     with Lifecycle("serve", cfg, reload_source) as life:
+        from trnd.transfer.nixl import bind_for
+
+        bind_for(None, cfg.store)  # a store client's NIXL agent: on the interface toward its stores
         model_dir = resolve_model(cfg.model)
         life.status(f"loading {model_dir}")
         engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, backend=cfg.backend,
@@ -47,7 +50,7 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
             st = app.state.trnd
             log.info("engine ready: %s, %d KV pages of %d tokens, max context %d", name, engine.pool.num_pages,
                      cfg.page_size, engine.max_model_len)
-            http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s)
+            http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, cfg)
             return run_async(lambda: life.serve(
                 http, st, banner=f"trnd: serving {name} on http://{cfg.host}:{cfg.port}/v1",
                 in_flight=lambda: loop.num_requests, abort=st.abort_all))

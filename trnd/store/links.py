@@ -65,8 +65,7 @@ class Links:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 2.0)
         chan = S.StoreChannel(reader, writer, self.secret, name=f"store@{s.addr}")
         s.chan = chan
-        nonce = S.new_nonce()
-        await asyncio.wait_for(chan.send(S.StoreHello(self.manifest, self.agent.name, nonce)), 2.0)
+        await chan.answer(lambda n: S.StoreHello(self.manifest, self.agent.name, n), 5.0)
         reply = await asyncio.wait_for(chan.recv(strict=True), 5.0)
         if isinstance(reply, S.Refused):
             if s.refused != reply.reason:
@@ -78,7 +77,6 @@ class Links:
         if reply.slot_bytes != self.page_bytes:
             s.refused = f"page_bytes: store slots hold {reply.slot_bytes} bytes, this client's page {self.page_bytes}"
             raise ConnectionError(s.refused)
-        chan.rekey(S.session_key(self.secret, nonce, reply.nonce))
         if s.welcome is not None and s.welcome.store_id != reply.store_id:
             s.restarts += 1
             log.warning("store %s restarted (its cached pages are gone)", s.addr)

@@ -19,9 +19,9 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from trnd.transfer.protocol import Channel, ChannelClosed, new_nonce, session_key
+from trnd.transfer.protocol import Challenge, Channel, ChannelClosed, new_nonce, session_key
 
-__all__ = ["Channel", "ChannelClosed", "StoreChannel", "new_nonce", "session_key"]
+__all__ = ["Challenge", "Channel", "ChannelClosed", "StoreChannel", "new_nonce", "session_key"]
 
 STORE_PROTOCOL_VERSION = 1
 MAX_HASHES = 1 << 16  # pages in one request
@@ -152,7 +152,7 @@ class Pong(msgspec.Struct, tag=True):
     t: float
 
 
-StoreMessage = (StoreHello | StoreWelcome | Refused | Lookup | Found | Reserve | Reserved | Commit | Committed
+StoreMessage = (Challenge | StoreHello | StoreWelcome | Refused | Lookup | Found | Reserve | Reserved | Commit | Committed
                 | Abandon | Release | Corrupt | Failed | Ping | Pong)
 
 _msg_dec = msgspec.msgpack.Decoder(StoreMessage)

@@ -71,8 +71,9 @@ class StoreServer:
     def __init__(self, cfg: StoreConfig):
         import torch
 
-        from trnd.transfer.nixl import KVAgent
+        from trnd.transfer.nixl import KVAgent, bind_for
 
+        bind_for(cfg.host)
         self.cfg = cfg
         self.secret = cfg.resolved_secret()
         self.memory_bytes = int(cfg.memory_gb * 2**30)
@@ -141,8 +142,8 @@ class StoreServer:
         addr = writer.get_extra_info("peername")
         chan = S.StoreChannel(reader, writer, self.secret, name=f"client@{addr}")
         try:
-            hello = await asyncio.wait_for(chan.recv(strict=True), 10)
-        except (S.ChannelClosed, TimeoutError) as e:
+            hello, challenge = await chan.challenge(10)
+        except (S.ChannelClosed, TimeoutError, ConnectionError, OSError) as e:
             self.counters["unauthenticated"] += 1
             log.warning("connection from %s dropped before a valid hello: %s", addr, e)
             chan.close()
@@ -152,6 +153,7 @@ class StoreServer:
             log.warning("%s: first message was %s, not StoreHello; closing", chan.name, type(hello).__name__)
             chan.close()
             return
+        chan.session(hello.nonce, challenge)
         why = self.admit(hello.manifest)
         if why is not None:
             self.counters["refused"] += 1
@@ -162,14 +164,12 @@ class StoreServer:
                 pass
             chan.close()
             return
-        nonce = S.new_nonce()
         try:
             await chan.send(S.StoreWelcome(self.store_id, self.agent.name, self.agent.metadata(), self.agent.bases[0],
-                                           self.slot_bytes, self.index.num_slots, self.cfg.lease_s, nonce))
+                                           self.slot_bytes, self.index.num_slots, self.cfg.lease_s, challenge))
         except (ConnectionError, OSError):
             chan.close()
             return
-        chan.rekey(S.session_key(self.secret, hello.nonce, nonce))
         c = Client(next(self._ids), hello.client, str(addr), chan, hello.manifest, hello.manifest.key_space())
         self.clients[c.id] = c
         self.counters["connections"] += 1

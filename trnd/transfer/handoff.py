@@ -38,6 +38,7 @@ class Shipment:
     xfers: list[Xfer] = field(default_factory=list)  # in flight
     done: bool = False  # first token sampled and KVDone sent
     aborted: bool = False
+    expires: float = 0.0  # decode's wall clock: no write is posted after it (protocol.PrefillReq)
 
 
 class Shipped:
@@ -116,21 +117,24 @@ class Awaiting:
     sent_at: float
     notifs: int = 0  # chunk writes that landed (NIXL notifications)
     done: object = None  # transfer/protocol.py KVDone: the first token and how many writes to expect
+    deadline: float = 0.0  # the handoff must have landed by then (0: none); no write is posted after it
     fenced: bool = False  # aborted here while a write may land: wait for the peer's Aborted
-    over: str | None = None  # ended without KV: "aborted" (nothing in flight), "lost" (peer gone), "failed"
+    over: str | None = None  # ended without KV: "aborted" (nothing in flight), "lost" (peer gone), "failed",
+    #                          "timeout" (missed its deadline: its pages are `cut`, held until the peer's word)
     reason: str = ""
 
 
 class Awaited:
     def __init__(self):
         self.entries: dict[str, Awaiting] = {}
-        self.quarantine: list[tuple[float, list[int]]] = []  # (until, pages) a lost peer may still write
+        self.quarantine: list[tuple[float, list[int], str]] = []  # (until, pages, peer) a lost peer may still write
+        self.cut: dict[str, tuple[str, list[int]]] = {}  # timed out: rid -> (peer, pages) until the peer's word
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def expect(self, rid: str, peer: str, target: list[int], now: float) -> Awaiting:
-        a = self.entries[rid] = Awaiting(rid, peer, target, now)
+    def expect(self, rid: str, peer: str, target: list[int], now: float, deadline: float = 0.0) -> Awaiting:
+        a = self.entries[rid] = Awaiting(rid, peer, target, now, deadline=deadline)
         return a
 
     def notified(self, rid: str) -> None:
@@ -165,6 +169,21 @@ class Awaited:
         a.fenced = True
         return True
 
+    def overdue(self, now: float) -> list[Awaiting]:
+        """Handoffs past their deadline: over ("timeout"), their target pages cut (the caller holds them
+        and asks the peer to abort) until the peer says nothing is in flight, or is lost."""
+        late = [a for a in self.entries.values() if a.over is None and not a.fenced and a.deadline and now >= a.deadline]
+        for a in late:
+            a.over = "timeout"
+            a.reason = f"prefill {a.peer} did not deliver the KV within {a.deadline - a.sent_at:g} s"
+            self.cut[a.rid] = (a.peer, a.target)
+        return late
+
+    def settled(self, rid: str) -> list[int] | None:
+        """The peer's word (Aborted or PrefillFailed) on a timed-out handoff: its cut pages, to free."""
+        got = self.cut.pop(rid, None)
+        return got[1] if got is not None else None
+
     def aborted(self, rid: str) -> None:
         """The peer confirmed: nothing of it is in flight."""
         a = self.entries.get(rid)
@@ -183,14 +202,25 @@ class Awaited:
         lost = [a for a in self.entries.values() if a.peer == peer and a.over is None]
         for a in lost:
             a.over = "lost"
-            if a.target:
-                self.quarantine.append((now + fence_s, a.target))
+            if a.target:  # a stopped peer posts nothing after the deadline; what it posted before lands by +fence_s
+                self.quarantine.append((max(now, a.deadline) + fence_s, a.target, peer))
+        for rid, (p, pages) in list(self.cut.items()):
+            if p == peer:  # already held by the caller since the timeout
+                del self.cut[rid]
+                self.quarantine.append((now + fence_s, pages, peer))
         return lost
+
+    def release(self, peer: str) -> list[list[int]]:
+        """The peer handshaked again: its earlier session is over (prefill sends Welcome only once the
+        old one's writes have all ended, and a new process means the old one is gone)."""
+        out = [pages for _, pages, p in self.quarantine if p == peer]
+        self.quarantine = [q for q in self.quarantine if q[2] != peer]
+        return out
 
     def expire(self, now: float) -> list[list[int]]:
         """Quarantined page lists whose time is up (the caller frees them)."""
-        out = [pages for until, pages in self.quarantine if until <= now]
-        self.quarantine = [(until, pages) for until, pages in self.quarantine if until > now]
+        out = [pages for until, pages, _ in self.quarantine if until <= now]
+        self.quarantine = [q for q in self.quarantine if q[0] > now]
         return out
 
     def forget(self, rid: str) -> Awaiting | None:
@@ -203,4 +233,5 @@ class Awaited:
         return sum(1 for a in self.entries.values() if a.fenced)
 
     def quarantined_pages(self) -> int:
-        return sum(len(pages) for _, pages in self.quarantine)
+        return (sum(len(pages) for _, pages, _ in self.quarantine)
+                + sum(len(pages) for _, pages in self.cut.values()))

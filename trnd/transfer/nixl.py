@@ -10,8 +10,14 @@ the calls only post or poll, so the lock is held for microseconds.
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import logging
+import os
+import socket
+import struct
 import threading
+from collections import Counter
 
 import numpy as np
 import torch
@@ -24,6 +30,50 @@ log = logging.getLogger("trnd.nixl")
 # that much to a transfer's completion.
 PROGRESS_DELAY_US = 200
 _make_lock = threading.Lock()
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface that holds `host`'s address ("lo" for loopback); None for a wildcard
+    address or one no interface holds."""
+    try:
+        addr = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return None
+    if addr.is_unspecified:
+        return None
+    if addr.is_loopback:
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == str(addr):
+                return name
+    return None
+
+
+def interface_toward(addr: str) -> str | None:
+    """The interface this host would use to reach `addr` ("host:port")."""
+    host = addr.rsplit(":", 1)[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))  # UDP: no packet, just the route
+            return interface_of(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def bind_for(listen_host: str | None, peers: list[str] = ()) -> None:
+    """Make UCX (under NIXL) listen on one interface: by default it opens a TCP listener on every
+    interface, outside the authenticated control plane. The interface is the one of the role's
+    listening address (prefill, store) and the one toward its peers (decode: its prefill servers and
+    stores); when they are not all one interface (or the address is a wildcard), UCX is left alone.
+    Must run before the process's first agent is made; an operator's UCX_NET_DEVICES wins."""
+    want = ([interface_of(listen_host)] if listen_host is not None else []) + [interface_toward(p) for p in peers]
+    if want and None not in want and len(set(want)) == 1 and "UCX_NET_DEVICES" not in os.environ:
+        os.environ["UCX_NET_DEVICES"] = want[0]
 
 
 def _nixl_agent(name: str):
@@ -51,7 +101,7 @@ class KVAgent:
         self.pools = pools
         self._lock = threading.RLock()
         self._reg = [self.agent.register_memory(p) for p in pools]
-        self.peers: set[str] = set()
+        self.peers: Counter[str] = Counter()  # remote agent -> connections using it
 
     @property
     def bases(self) -> list[int]:
@@ -62,16 +112,20 @@ class KVAgent:
             return self.agent.get_agent_metadata()
 
     def add_peer(self, meta: bytes) -> str:
+        """Load a remote agent; each add is one user, and the agent stays until its last user removes it
+        (a second connection naming the same agent must not tear down the first one's)."""
         with self._lock:
             name = self.agent.add_remote_agent(meta)
             name = name.decode() if isinstance(name, bytes) else name
-            self.peers.add(name)
+            self.peers[name] += 1
             return name
 
     def remove_peer(self, name: str) -> None:
         with self._lock:
-            if name in self.peers:
-                self.peers.discard(name)
+            if self.peers[name] > 1:
+                self.peers[name] -= 1
+                return
+            if self.peers.pop(name, 0):
                 try:
                     self.agent.remove_remote_agent(name)
                 except Exception as e:  # already gone
@@ -130,6 +184,7 @@ class KVAgent:
     def close(self) -> None:
         with self._lock:
             for name in list(self.peers):
+                self.peers[name] = 1
                 self.remove_peer(name)
             for reg in self._reg:
                 try:

@@ -1,10 +1,15 @@
 """Control-plane messages between roles: msgspec Structs in one tagged union per channel, sent as
 length-prefixed msgpack frames, each authenticated with HMAC-SHA256 and a per-connection sequence.
 
-Never pickle: a frame decodes only into the types below. The handshake's two nonces derive the session
-key, so a frame recorded on one connection is useless on another, and the sequence number (which must
-grow by exactly one) rejects duplicates and replays within a connection. A forged, duplicate or
-malformed frame is logged and dropped; the connection and the loop go on.
+Never pickle: a frame decodes only into the types below.
+
+The handshake (`challenge`, `answer`): the accepting side speaks first, a `Challenge` with its fresh
+nonce; the connecting side's Hello is MACed with a key derived from the secret and that nonce, so a
+Hello recorded on one connection proves nothing on another. From then on both sides use the session
+key of both nonces, and the sequence number (which must grow by exactly one) rejects duplicates and
+replays within a connection. Before the Hello authenticates, a frame may not exceed
+MAX_HANDSHAKE_FRAME (an unauthenticated peer cannot make us buffer more). A forged, duplicate or
+malformed frame after the handshake is logged and dropped; the connection and the loop go on.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ log = logging.getLogger("trnd.control")
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 64 * 2**20
+MAX_HANDSHAKE_FRAME = 64 * 2**10  # a Hello is ~2 KB (NIXL's agent metadata is ~0.5 KB)
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,8 +70,13 @@ class PoolRegion(msgspec.Struct, array_like=True):
     num_pages: int
 
 
+class Challenge(msgspec.Struct, tag=True):
+    """accepting side -> connecting side, the first frame: the nonce the Hello's MAC must cover."""
+    nonce: bytes
+
+
 class Hello(msgspec.Struct, tag=True):
-    """decode -> prefill, first frame, MACed with the shared secret itself."""
+    """decode -> prefill, the answer to the Challenge: MACed with hello_key(secret, challenge)."""
     manifest: Manifest
     agent_name: str
     agent_meta: bytes  # NIXL agent metadata (NIXL's own serialization, parsed by NIXL, not Python)
@@ -90,6 +102,10 @@ class PrefillReq(msgspec.Struct, tag=True):
     params: SamplingParams
     skip_pages: int  # leading pages decode already holds (its prefix cache): not sent
     dst_pages: list[int]  # decode page ids for page indices skip_pages.. ceil(len(prompt)/page_size)-1
+    # Decode's wall clock (time.time()) after which no write for rid may be posted: decode frees the
+    # target pages of a lost peer only after it (+ fence_s), so a prefill that was stopped and resumes,
+    # or reads this from its socket late, posts nothing into reused pages. 0: no deadline.
+    expires: float = 0.0
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -124,7 +140,7 @@ class Pong(msgspec.Struct, tag=True):
     load: int  # requests queued or running on the prefill server
 
 
-Message = Hello | Welcome | Refused | PrefillReq | Abort | Aborted | KVDone | PrefillFailed | Ping | Pong
+Message = Challenge | Hello | Welcome | Refused | PrefillReq | Abort | Aborted | KVDone | PrefillFailed | Ping | Pong
 
 
 class Frame(msgspec.Struct, array_like=True):
@@ -140,6 +156,10 @@ _msg_dec = msgspec.msgpack.Decoder(Message)
 
 def session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
     return hmac.new(secret, b"trnd-session" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def hello_key(secret: bytes, challenge: bytes) -> bytes:
+    return hmac.new(secret, b"trnd-hello" + challenge, hashlib.sha256).digest()
 
 
 def new_nonce() -> bytes:
@@ -158,13 +178,41 @@ class Channel:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, name: str = "peer"):
         self.reader, self.writer, self.key, self.name = reader, writer, key, name
+        self.secret = key
+        self.max_frame = MAX_HANDSHAKE_FRAME  # until the handshake authenticates (rekey to the session)
         self.send_seq = 0
         self.recv_seq = 0
         self.rejected = 0
         self._lock = asyncio.Lock()
 
     def rekey(self, key: bytes) -> None:
+        """To the session key: the handshake is over, full-size frames from now on."""
         self.key = key
+        self.max_frame = MAX_FRAME
+
+    async def challenge(self, timeout: float = HANDSHAKE_TIMEOUT_S) -> tuple[Message, bytes]:
+        """Accepting side: send our nonce, return (the peer's first message, our nonce). That message
+        authenticated under hello_key(secret, our nonce): it was made for this connection. The
+        caller answers under the session key (`session(msg.nonce, ours)`)."""
+        ours = new_nonce()
+        await self.send(Challenge(ours))
+        self.key = hello_key(self.secret, ours)
+        msg = await asyncio.wait_for(self.recv(strict=True), timeout)
+        return msg, ours
+
+    async def answer(self, make_hello, timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+        """Connecting side: wait for the Challenge, send make_hello(our nonce) under hello_key, then
+        switch to the session key (the reply, Welcome or Refused, comes under it)."""
+        msg = await asyncio.wait_for(self.recv(strict=True), timeout)
+        if not isinstance(msg, Challenge):
+            raise ChannelClosed(f"{self.name}: expected a Challenge, got {type(msg).__name__}")
+        ours = new_nonce()
+        self.key = hello_key(self.secret, msg.nonce)
+        await self.send(make_hello(ours))
+        self.session(ours, msg.nonce)
+
+    def session(self, client_nonce: bytes, server_nonce: bytes) -> None:
+        self.rekey(session_key(self.secret, client_nonce, server_nonce))
 
     def _mac(self, seq: int, body: bytes) -> bytes:
         return hmac.new(self.key, seq.to_bytes(8, "big") + body, hashlib.sha256).digest()
@@ -185,8 +233,9 @@ class Channel:
                 raise ChannelClosed(f"{self.name}: handshake did not authenticate")
             try:
                 n = int.from_bytes(await self.reader.readexactly(4), "big")
-                if n > MAX_FRAME:
-                    raise ChannelClosed(f"{self.name}: frame of {n} bytes exceeds {MAX_FRAME}")
+                if n > self.max_frame:
+                    raise ChannelClosed(f"{self.name}: frame of {n} bytes exceeds {self.max_frame}"
+                                        + (" before the handshake" if self.max_frame < MAX_FRAME else ""))
                 data = await self.reader.readexactly(n)
             except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
                 raise ChannelClosed(f"{self.name}: connection lost ({e.__class__.__name__})") from None
