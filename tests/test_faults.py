@@ -6,7 +6,6 @@ give the same greedy outputs as before, every page comes back, and nothing crash
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import threading

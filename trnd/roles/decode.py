@@ -200,7 +200,8 @@ class DecodeServer:
         except Exception as e:  # e.g. a value msgpack cannot encode: the request must not wait forever
             log.error("could not send %s to %s: %s: %s", type(msg).__name__, chan.name, type(e).__name__, e)
             if isinstance(msg, P.PrefillReq):
-                self.loop.call(lambda: self.awaited.failed(msg.rid, f"the handoff could not start ({e})"))
+                why = f"the handoff could not start ({e})"  # bound now: `e` is gone when the call runs
+                self.loop.call(lambda: self.awaited.failed(msg.rid, why))
 
     def _settled(self, rid: str) -> bool:
         """The peer's word on a timed-out handoff: no write can land any more, free its pages."""
