@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import fp8
+
 
 @dataclass
 class PrefillSeq:
@@ -42,6 +44,8 @@ def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, met
     """k, v [T, Hk, D] into their slots (an in-place scatter: no data-dependent shapes). Every index is a
     tensor into the pool itself, no view taken first: compiled by inductor (engine/static.py) this stays one
     in-place scatter, where an index_put through a select view of the pool became a copy of the whole pool."""
+    if fp8.is_fp8(kv):  # fp8 pages carry their scales (kernels/fp8.py)
+        return fp8.write_kv(kv, layer, k, v, meta.page_ids, meta.offsets)
     dev = k.device
     page, slot = meta.page_ids[:, None, None], meta.offsets[:, None, None]  # [T, 1, 1]
     k_or_v = torch.arange(2, device=dev)[:, None]  # [2, 1]
@@ -50,10 +54,12 @@ def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, met
     kv.index_put_(index, torch.stack((k, v), dim=1))
 
 
-def _gather(kv: torch.Tensor, layer: int, pages: torch.Tensor):
+def _gather(kv: torch.Tensor, layer: int, pages: torch.Tensor, q: torch.Tensor):
     """pages [..., n] -> k, v [..., Hk, n * page_size, D]. One layer of a page is one contiguous row
     (2 x Hk x P x D): index_select copies whole rows, 5-8x faster than advanced indexing kv[pages, layer]
-    (which copies element by element) for a decode batch's pages."""
+    (which copies element by element) for a decode batch's pages. An fp8 pool is dequantized to q's dtype."""
+    if fp8.is_fp8(kv):
+        return fp8.gather(kv, layer, pages, q.shape[-1], q.dtype)
     rows = kv.view(kv.shape[0], kv.shape[1], -1)[:, layer]  # [num_pages, row] (a strided view, no copy)
     g = rows.index_select(0, pages.reshape(-1)).view(*pages.shape, *kv.shape[2:])  # [..., n, 2, Hk, P, D]
     n, _, hk, p, d = g.shape[-5:]
@@ -65,7 +71,7 @@ def _gather(kv: torch.Tensor, layer: int, pages: torch.Tensor):
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, layer: int, meta: AttnMeta, scale: float):
     """q [B, Hq, D] (one new token per sequence, its KV already written) -> [B, Hq, D]."""
-    k, v = _gather(kv, layer, meta.decode_pages)  # [B, Hk, S, D]
+    k, v = _gather(kv, layer, meta.decode_pages, q)  # [B, Hk, S, D]
     s = k.shape[-2]
     mask = torch.arange(s, device=k.device)[None, :] < meta.decode_ctx[:, None]  # [B, S]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :],
@@ -83,7 +89,7 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                              is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     n_prior_pages = (prior + page_size - 1) // page_size
-    k_old, v_old = _gather(kv, layer, seq.pages[:n_prior_pages])  # [Hk, n*P, D]
+    k_old, v_old = _gather(kv, layer, seq.pages[:n_prior_pages], q)  # [Hk, n*P, D]
     if q.device.type == "cpu":
         return _prefix_then_causal(qh, k_old[:, :prior], v_old[:, :prior], k_new, v_new, scale)
     k = torch.cat((k_old[:, :prior], k_new.transpose(0, 1)), dim=1)
@@ -116,7 +122,7 @@ def chunk_attention(q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.
     query i sees key j iff j <= q_pos[i]: the prefix length is data, never a shape, so one compiled graph
     serves every chunk of a (T, W) bucket. Padding keys (past the context) are masked; padding queries
     (q_pos 0) see key 0 and their rows are discarded."""
-    k, v = _gather(kv, layer, pages)  # [Hk, W * P, D]
+    k, v = _gather(kv, layer, pages, q)  # [Hk, W * P, D]
     mask = torch.arange(k.shape[-2], device=q.device)[None, :] <= q_pos[:, None]  # [T, W * P]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask[None, None],
                                          scale=scale, enable_gqa=True)

@@ -20,6 +20,9 @@ def _compute_flags(p) -> None:
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"],
                    help="weights, compute and KV dtype (default auto: the checkpoint's, or float32 on a CPU "
                         "without native bf16)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV page format (default auto: the compute dtype; fp8: half the bytes per page, "
+                        "scales inside each page)")
     p.add_argument("--backend", choices=["cpu", "cuda", "neuron"], help="where the model runs (default cpu)")
 
 
@@ -151,6 +154,11 @@ def _bench_parser(sub) -> None:
 
     r = bsub.add_parser("router", help="session affinity vs random routing through trnd serve --prefill 1 --decode 2")
     bench_router.add_arguments(r)
+    from trnd.bench import kv_accuracy
+
+    kva = bsub.add_parser("kv-accuracy", help="fp8 KV pages vs model-dtype KV (transformers the oracle): logit "
+                                              "differences and greedy agreement")
+    kv_accuracy.add_arguments(kva)
     t = bsub.add_parser("tiers", help="multi-turn agentic replay: tiers off vs host L2 vs L2 + remote L3")
     t.add_argument("--model", default="small", help="model dir or preset (default small)")
     t.add_argument("--point", default="8k")

@@ -34,6 +34,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     api_key: str | None = None  # None: open; else required on /v1/* and /admin/*
     api_key_file: str | None = None  # e.g. $CREDENTIALS_DIRECTORY/api_key under systemd
     dtype: str = "auto"  # auto: the checkpoint's, or float32 on a CPU without native bf16 (backends/cpu.py)
+    kv_cache_dtype: str = "auto"  # auto: KV in the compute dtype; fp8_e4m3 | fp8_e5m2: fp8 pages + scales
     backend: str = "cpu"
     tp: Annotated[int, Meta(ge=1, le=64)] = 1  # tensor-parallel ranks (processes)
     page_size: PageSize = 16
@@ -92,6 +93,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 def _check_common(cfg) -> None:
     """Choices msgspec's type system does not express, named like msgspec names its errors."""
     choices = {"log_level": ("debug", "info", "warning", "error"), "dtype": ("auto", "bfloat16", "float32", "float16"),
+               "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
                "host_policy": ("write-back", "write-through"), "backend": ("cpu", "cuda", "neuron"),
                "router_policy": (None, "affinity", "random")}
     point = getattr(cfg, "point", None)
@@ -139,6 +141,7 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     point: str = "8k"
     dtype: str = "auto"  # auto: the checkpoint's, or float32 on a CPU without native bf16 (backends/cpu.py)
+    kv_cache_dtype: str = "auto"  # auto: KV in the compute dtype; fp8_e4m3 | fp8_e5m2: fp8 pages + scales
     backend: str = "cpu"
     tp: Annotated[int, Meta(ge=1, le=64)] = 1
     kv_memory_gb: Annotated[float, Meta(gt=0)] = 1.0

@@ -40,7 +40,9 @@ class Pages(_S):
     in_use: int = 0  # held by a request, a tier transfer or a role (a write in flight, a quarantine)
     cached: int = 0  # held by the prefix cache only (evictable)
     page_size: int | None = None
-    page_bytes: int | None = None
+    page_bytes: int | None = None  # one page on one rank, as stored (fp8: values + scales)
+    kv_dtype: str | None = None  # the pool's element type (float8_e4m3fn, bfloat16, ...)
+    token_capacity: int | None = None  # total * page_size: what the pool holds at its page_bytes
 
 
 class Radix(_S):
@@ -206,6 +208,7 @@ class Transfers(_S):
     fenced: int | None = None
     timed_out: int | None = None  # decode: handoffs past handoff_timeout_s (504)
     kv_pages_received: int | None = None
+    kv_bytes_received: int | None = None  # decode: kv_pages_received x page_bytes
     aborted: int | None = None
     refused: int | None = None
     unauthenticated: int | None = None

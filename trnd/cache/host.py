@@ -28,6 +28,7 @@ from trnd.backends.omp import single_threaded
 class HostTier:
     def __init__(self, pools: list[torch.Tensor], num_slots: int):
         pin = pools[0].device.type == "cuda"
+        pools = [p.view(torch.uint8).view(p.shape[0], -1) for p in pools]  # pages as bytes: any KV dtype
         self.bufs = [torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, pin_memory=pin) for p in pools]
         self.pools = pools
         self.num_slots = num_slots

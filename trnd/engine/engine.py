@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import fp8
 from trnd.cache.budget import NodeBudget
 from trnd.cache.host import HostTier
 from trnd.cache.pages import PagePool
@@ -39,6 +40,7 @@ log = logging.getLogger("trnd.engine")
 class EngineConfig:
     model: str
     dtype: str | None = None  # None or "auto": the backend picks (trnd/backends: pick_dtype)
+    kv_cache_dtype: str = "auto"  # auto: KV in the model dtype; fp8_e4m3 | fp8_e5m2: fp8 pages (kernels/fp8.py)
     backend: str = "cpu"
     page_size: int = 16
     num_pages: int | None = None  # None: derived from kv_memory_gb
@@ -65,6 +67,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.static and self.tp > 1:
             raise ValueError("static = true runs one rank: tp must be 1")
+        if self.static and self.kv_cache_dtype != "auto":
+            raise ValueError(f"static = true keeps KV in the model dtype: kv_cache_dtype = {self.kv_cache_dtype!r} "
+                             "runs on the eager path (static = false)")
 
 
 @dataclass
@@ -98,13 +103,13 @@ class Engine:
         tp = TPGroup(0, cfg.tp)
         nk = tp.kv_heads(mc.num_kv_heads)
         tp.split(mc.num_heads, "num_attention_heads")  # refuse a bad layout before starting processes
-        page_bytes = kv_page_bytes(mc, nk[1] - nk[0], cfg.page_size)
+        page_bytes = kv_page_bytes(mc, nk[1] - nk[0], cfg.page_size, cfg.kv_cache_dtype)
         num_pages = cfg.num_pages or max(2, int(cfg.kv_memory_gb * 2**30) // page_bytes)
         # One pool per rank, on the backend's device; with TP they live in shared memory so this process
         # can reach them all (the ranks all-reduce over gloo, on the CPU).
         device = get_backend(cfg.backend).device if cfg.tp == 1 else "cpu"
-        self.pools = [alloc_kv(mc, nk[1] - nk[0], num_pages, cfg.page_size, shared=cfg.tp > 1, device=device)
-                      for _ in range(cfg.tp)]
+        self.pools = [alloc_kv(mc, nk[1] - nk[0], num_pages, cfg.page_size, shared=cfg.tp > 1, device=device,
+                               kv_cache_dtype=cfg.kv_cache_dtype) for _ in range(cfg.tp)]
         self.workers = None
         self._agent = None
         if cfg.tp > 1:
@@ -154,8 +159,10 @@ class Engine:
 
     @property
     def namespace(self) -> str:
-        """Page-hash key space: the same model (config + tokenizer) and KV dtype on any node, any role."""
-        return f"{fingerprint(Path(self.cfg.model))}:{str(self.model_config.dtype).removeprefix('torch.')}"
+        """Page-hash key space: the same model (config + tokenizer) and KV dtype on any node, any role (fp8
+        pages get their own: L2/L3 never hand an fp8 page to a model-dtype pool or back)."""
+        ns = f"{fingerprint(Path(self.cfg.model))}:{str(self.model_config.dtype).removeprefix('torch.')}"
+        return ns if self.cfg.kv_cache_dtype == "auto" else f"{ns}:kv={self.cfg.kv_cache_dtype}"
 
     def kv_agent(self):
         """This process's one NIXL agent, with every rank's pool registered (made on first use)."""
@@ -172,7 +179,8 @@ class Engine:
 
         mc, n = self.model_config, self.model_config.num_kv_heads
         heads = tuple(TPGroup(r, self.tp.size).kv_heads(n) for r in range(self.tp.size))
-        return Layout(mc.num_layers, self.cfg.page_size, mc.head_dim, self.pools[0].element_size(), heads)
+        itemsize, scale_bytes = fp8.block_bytes(self.pools[0].dtype, self.cfg.page_size, mc.head_dim)
+        return Layout(mc.num_layers, self.cfg.page_size, mc.head_dim, itemsize, heads, scale_bytes)
 
     def _make_tiers(self) -> Tiers | None:
         cfg = self.cfg
@@ -193,7 +201,7 @@ class Engine:
             if not cfg.store_secret:
                 raise ValueError("store: a remote KV store needs the control-plane secret (secret_file)")
             remote = StoreClient(cfg.store, cfg.store_secret, self.kv_agent(), self.layout(), self.pools,
-                                 self.namespace, dtype=str(self.model_config.dtype).removeprefix("torch."),
+                                 self.namespace, dtype=self.runner.kv_dtype,
                                  deadline_s=cfg.store_deadline_s)
         return Tiers(self.radix, self.pool, cfg.page_size, self.namespace, host, cfg.host_policy, remote,
                      cfg.store_on_finish)

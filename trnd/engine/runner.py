@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from kernels import fp8
 from kernels.attention import AttnMeta, PrefillSeq
 from trnd.engine.request import Req
 from trnd.engine.scheduler import Batch
@@ -27,10 +28,10 @@ class StepInputs(msgspec.Struct, array_like=True):
     sample_rows: list[int]  # rows of the batch whose logits are wanted
 
 
-def kv_page_bytes(cfg: ModelConfig, num_kv_heads_local: int, page_size: int) -> int:
-    """Bytes of one page on one rank: all layers, K and V, this rank's KV heads."""
-    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
-    return cfg.num_layers * 2 * num_kv_heads_local * page_size * cfg.head_dim * itemsize
+def kv_page_bytes(cfg: ModelConfig, num_kv_heads_local: int, page_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one page on one rank: all layers, K and V, this rank's KV heads (fp8: with their scales)."""
+    itemsize, scale_bytes = fp8.block_bytes(fp8.kv_dtype(kv_cache_dtype, cfg.dtype), page_size, cfg.head_dim)
+    return cfg.num_layers * 2 * num_kv_heads_local * (page_size * cfg.head_dim * itemsize + scale_bytes)
 
 
 def prepare(batch: Batch, page_size: int) -> tuple[StepInputs, list[Req]]:
@@ -65,16 +66,20 @@ def prepare(batch: Batch, page_size: int) -> tuple[StepInputs, list[Req]]:
 
 
 def alloc_kv(cfg: ModelConfig, num_kv_heads_local: int, num_pages: int, page_size: int,
-             shared: bool = False, device: str = "cpu") -> torch.Tensor:
-    """kv[page, layer, k|v, kv_head, slot, head_dim]: see kernels/attention.py for why page-major.
+             shared: bool = False, device: str = "cpu", kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """kv[page, layer, k|v, kv_head, slot, head_dim]: see kernels/attention.py for why page-major; an fp8
+    pool is kv[page, layer, k|v, kv_head, slot * head_dim + 4] (each block's values, then its scale:
+    kernels/fp8.py).
     shared: in shared memory, so the role process can map every rank's pool (one NIXL agent per role
     registers them all, and the host tier copies pages out of any rank); host memory only.
     device: the backend's device. The pool is made there, never moved: the host tier and the transfers
     hold this very tensor."""
     if shared and device != "cpu":
         raise ValueError(f"a shared-memory KV pool lives in host memory, not on {device!r}")
-    kv = torch.zeros(num_pages, cfg.num_layers, 2, num_kv_heads_local, page_size, cfg.head_dim, dtype=cfg.dtype,
-                     device=device)
+    dtype = fp8.kv_dtype(kv_cache_dtype, cfg.dtype)
+    block = (page_size * cfg.head_dim + fp8.SCALE_BYTES,) if fp8.is_fp8(torch.empty(0, dtype=dtype)) else \
+        (page_size, cfg.head_dim)
+    kv = torch.zeros(num_pages, cfg.num_layers, 2, num_kv_heads_local, *block, dtype=dtype, device=device)
     return kv.share_memory_() if shared else kv
 
 
@@ -85,13 +90,17 @@ class ModelRunner:
     def __init__(self, model, cfg: ModelConfig, kv: torch.Tensor):
         self.model, self.cfg, self.kv = model.to(kv.device), cfg, kv
         self.device = kv.device
-        self.page_size = kv.shape[4]
+        self.page_size = fp8.page_size_of(kv, cfg.head_dim)
         self.num_kv_heads = model.layers[0].attn.nk  # this rank's
         assert kv.shape[3] == self.num_kv_heads, (kv.shape, self.num_kv_heads)
 
     @property
     def page_bytes(self) -> int:
         return self.kv[0].numel() * self.kv.element_size()
+
+    @property
+    def kv_dtype(self) -> str:
+        return str(self.kv.dtype).removeprefix("torch.")
 
     def tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

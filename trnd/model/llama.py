@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import Ops
+from kernels import Ops, fp8
 from kernels.attention import AttnMeta, chunk_attention
 from kernels.rotary import cos_sin, inv_freq
 from trnd.model.config import ModelConfig
@@ -60,7 +60,7 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             if nd:
                 out[:nd] = self.ops.decode_attention(q[:nd], kv, self.layer, meta, self.scale)
-            page_size = kv.shape[4]
+            page_size = fp8.page_size_of(kv, hd)
             for s in meta.prefill:
                 sl = slice(s.q_start, s.q_start + s.q_len)
                 out[sl] = self.ops.prefill_attention(q[sl], k[sl], v[sl], kv, self.layer, s, page_size, self.scale)

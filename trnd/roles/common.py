@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from kernels.fp8 import SCALE_BYTES
 from trnd.backends import resolve_dtype
 from trnd.config import StartupError
 from trnd.engine.engine import Engine, EngineConfig
@@ -37,7 +38,7 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
     if why is not None:  # positions the model was never configured for are not served silently
         raise StartupError(why)
     h0, h1 = TPGroup(0, cfg.tp).kv_heads(mc.num_kv_heads)
-    page_bytes = kv_page_bytes(mc, h1 - h0, point.page_size)
+    page_bytes = kv_page_bytes(mc, h1 - h0, point.page_size, cfg.kv_cache_dtype)
     num_pages = int(cfg.kv_memory_gb * 2**30) // page_bytes
     need = point.pool_pages_needed()
     if num_pages < need:
@@ -45,7 +46,8 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
             f"point {point.name!r} needs {need} pages of {point.page_size} tokens for one {point.max_context}-token "
             f"sequence ({need * page_bytes / 2**20:.1f} MiB per rank), but kv_memory_gb = {cfg.kv_memory_gb} holds "
             f"only {num_pages}: raise kv_memory_gb or pick a smaller point")
-    engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, backend=cfg.backend,
+    engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+                                 backend=cfg.backend,
                                  page_size=point.page_size, num_pages=num_pages,
                                  max_model_len=max_model_len or point.max_context, max_batch=point.max_batch,
                                  token_budget=point.prefill_chunk, chunk_size=point.prefill_chunk,
@@ -65,9 +67,7 @@ def point_capacity(engine: Engine, point: DecodePoint) -> Capacity:
 
 
 def layout_of(engine: Engine) -> Layout:
-    mc = engine.model_config
-    return Layout(mc.num_layers, engine.cfg.page_size, mc.head_dim, engine.pools[0].element_size(),
-                  tuple(rank_heads(engine)))
+    return engine.layout()
 
 
 def rank_heads(engine: Engine) -> list[tuple[int, int]]:
@@ -83,10 +83,13 @@ def manifest(engine: Engine, point: DecodePoint, role: str, model_name: str) -> 
                     dtype=str(mc.dtype).removeprefix("torch."), num_layers=mc.num_layers,
                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=point.page_size,
                     point=point.name, max_context=point.max_context, max_batch=point.max_batch, tp=engine.tp.size,
-                    rank_heads=rank_heads(engine), page_bytes=engine.runner.page_bytes)
+                    rank_heads=rank_heads(engine), page_bytes=engine.runner.page_bytes,
+                    kv_cache_dtype=engine.cfg.kv_cache_dtype)
 
 
 def layout_from(m: Manifest) -> Layout:
-    itemsize = m.page_bytes // (m.num_layers * 2 * (m.rank_heads[0][1] - m.rank_heads[0][0]) * m.page_size
-                                * m.head_dim)
-    return Layout(m.num_layers, m.page_size, m.head_dim, itemsize, tuple(tuple(h) for h in m.rank_heads))
+    scale_bytes = 0 if m.kv_cache_dtype == "auto" else SCALE_BYTES  # fp8 blocks end with their scale
+    blocks = m.num_layers * 2 * (m.rank_heads[0][1] - m.rank_heads[0][0])
+    itemsize = (m.page_bytes // blocks - scale_bytes) // (m.page_size * m.head_dim)
+    return Layout(m.num_layers, m.page_size, m.head_dim, itemsize, tuple(tuple(h) for h in m.rank_heads),
+                  scale_bytes)

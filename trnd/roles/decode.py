@@ -81,7 +81,7 @@ class DecodeServer:
         self.awaited = Awaited()  # every request a peer is writing KV for (transfer/handoff.py)
         self.aio: asyncio.AbstractEventLoop | None = None
         self.stats = {"handoffs": 0, "retried": 0, "failed": 0, "fenced": 0, "timed_out": 0,
-                      "kv_pages_received": 0}
+                      "kv_pages_received": 0, "kv_bytes_received": 0}
 
     @property
     def ready(self) -> bool:
@@ -245,6 +245,7 @@ class DecodeServer:
         if a.over is None:
             m = a.done
             self.stats["kv_pages_received"] += len(a.target)
+            self.stats["kv_bytes_received"] += len(a.target) * self.engine.runner.page_bytes
             return Landing(first=SampleOut(m.token, m.logprob, m.top_logprobs), computed_tokens=m.computed_tokens)
         if a.over == "lost":  # its target pages are in quarantine (held); retry elsewhere or fail
             if req.handoffs <= self.cfg.prefill_retries and self._pick() is not None:

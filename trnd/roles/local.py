@@ -54,7 +54,8 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
     else:
         secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
-    role = {"model": model, "point": cfg.point, "dtype": cfg.dtype, "backend": cfg.backend, "tp": cfg.tp,
+    role = {"model": model, "point": cfg.point, "dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype,
+            "backend": cfg.backend, "tp": cfg.tp,
             "kv_memory_gb": cfg.kv_memory_gb, "prefix_cache": cfg.prefix_cache, "threads": cfg.threads,
             "secret_file": str(secret), "log_level": cfg.log_level, "host_cache_gb": cfg.host_cache_gb,
             "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb,

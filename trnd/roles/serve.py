@@ -32,7 +32,8 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
         bind_for(None, cfg.store)  # a store client's NIXL agent: on the interface toward its stores
         model_dir = resolve_model(cfg.model)
         life.status(f"loading {model_dir}")
-        engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, backend=cfg.backend,
+        engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+                                     backend=cfg.backend,
                                      page_size=cfg.page_size, num_pages=cfg.num_pages, kv_memory_gb=cfg.kv_memory_gb,
                                      max_model_len=cfg.max_model_len, max_batch=cfg.max_batch,
                                      token_budget=cfg.token_budget, chunk_size=cfg.chunk_size,

@@ -75,13 +75,15 @@ class StoreClient(Links):
         self.write_deadline_s = write_deadline_s or deadline_s
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         num_heads = max(h1 for _, h1 in local.rank_heads)
-        self.canonical = Layout(local.num_layers, local.page_size, local.head_dim, local.itemsize, ((0, num_heads),))
+        self.canonical = Layout(local.num_layers, local.page_size, local.head_dim, local.itemsize, ((0, num_heads),),
+                                local.scale_bytes)
         self.page_bytes = self.canonical.page_bytes(0)
         self.read_plan = make_plan(self.canonical, local)
         self.write_plan = make_plan(local, self.canonical)
         self.manifest = S.StoreManifest(namespace=namespace, dtype=dtype, num_layers=local.num_layers,
                                         num_kv_heads=num_heads, head_dim=local.head_dim, page_size=local.page_size,
-                                        itemsize=local.itemsize, page_bytes=self.page_bytes)
+                                        itemsize=local.itemsize, page_bytes=self.page_bytes,
+                                        scale_bytes=local.scale_bytes)
         self._rows = []  # each rank's pool as [page, bytes]
         for r, p in enumerate(pools):
             rows = p.view(torch.uint8).reshape(p.shape[0], -1)

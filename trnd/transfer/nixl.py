@@ -100,7 +100,7 @@ class KVAgent:
         self.agent = _nixl_agent(name)
         self.pools = pools
         self._lock = threading.RLock()
-        self._reg = [self.agent.register_memory(p) for p in pools]
+        self._reg = [self.agent.register_memory(p.view(torch.uint8)) for p in pools]  # any KV dtype, as bytes
         self.peers: Counter[str] = Counter()  # remote agent -> connections using it
 
     @property

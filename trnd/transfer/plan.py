@@ -21,10 +21,11 @@ class Layout:
     head_dim: int
     itemsize: int
     rank_heads: tuple[tuple[int, int], ...]  # [start, end) KV heads of each rank
+    scale_bytes: int = 0  # fp8 pages: each head's block ends with its scale (kernels/fp8.py), moved with it
 
     @property
-    def head_bytes(self) -> int:  # one head's slots in one (layer, k|v) block
-        return self.page_size * self.head_dim * self.itemsize
+    def head_bytes(self) -> int:  # one head's slots in one (layer, k|v) block, and its scale
+        return self.page_size * self.head_dim * self.itemsize + self.scale_bytes
 
     def page_bytes(self, rank: int) -> int:
         h0, h1 = self.rank_heads[rank]
@@ -41,8 +42,8 @@ class Segment:
 
 
 def make_plan(src: Layout, dst: Layout) -> list[Segment]:
-    if (src.num_layers, src.page_size, src.head_dim, src.itemsize) != (dst.num_layers, dst.page_size, dst.head_dim,
-                                                                        dst.itemsize):
+    if (src.num_layers, src.page_size, src.head_dim, src.itemsize, src.scale_bytes) != (
+            dst.num_layers, dst.page_size, dst.head_dim, dst.itemsize, dst.scale_bytes):
         raise ValueError("layouts differ in page shape: no byte-for-byte handoff is possible")
     src_heads = {h for h0, h1 in src.rank_heads for h in range(h0, h1)}
     dst_heads = {h for h0, h1 in dst.rank_heads for h in range(h0, h1)}

@@ -49,11 +49,12 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     tp: int
     rank_heads: list[tuple[int, int]]  # [start, end) KV heads held by each rank
     page_bytes: int  # one page on one rank
+    kv_cache_dtype: str = "auto"  # KV page format (auto: the model dtype; fp8_*: fp8 values + scales)
 
 
 # Fields that must be equal on both sides, in the order they are reported.
-MUST_MATCH = ("protocol_version", "model_fingerprint", "point", "dtype", "num_layers", "num_kv_heads", "head_dim",
-              "page_size", "max_context", "max_batch")
+MUST_MATCH = ("protocol_version", "model_fingerprint", "point", "dtype", "kv_cache_dtype", "num_layers",
+              "num_kv_heads", "head_dim", "page_size", "max_context", "max_batch")
 
 
 def mismatch(a: Manifest, b: Manifest) -> str | None:
