@@ -60,7 +60,7 @@ def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, pag
     new = torch.stack((k, v), dim=1).float()  # [T, 2, Hk, D]
     pages, inv = torch.unique(page_ids, return_inverse=True)  # [U], [T]
     u, hk = len(pages), new.shape[2]
-    amax = torch.zeros(u, 2, hk).index_reduce_(0, inv, new.abs().amax(-1), "amax")
+    amax = torch.zeros(u, 2, hk).scatter_reduce_(0, inv[:, None, None].expand(-1, 2, hk), new.abs().amax(-1), "amax")
     fresh = torch.zeros(u, dtype=torch.bool).index_put_((inv[offsets == 0],), torch.tensor(True))
     old = scales[pages, layer]  # [U, 2, Hk]
     old = torch.where(fresh[:, None, None], torch.zeros_like(old), old)
