@@ -262,3 +262,36 @@ def test_mismatched_kv_cache_dtype_is_refused_at_the_handshake(tiny_qwen3, secre
     finally:
         out = stop(dec) + stop(pre)
     assert "kv_cache_dtype" in out
+
+
+@pytest.mark.slow
+def test_serve_fp8_on_the_default_model_serves_the_openai_client():
+    """`trnd serve --kv-cache-dtype fp8_e4m3` (the local prefill + decode pair) on the default model."""
+    import openai
+
+    from .procs import admin_state, start_serve, stop, wait_ready
+
+    proc, port = start_serve("small", "--kv-cache-dtype", "fp8_e4m3", "--kv-memory-gb", "0.5")
+    try:
+        wait_ready(port, proc, timeout=600)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        r = client.completions.create(model=model, prompt="The KV cache in fp8 is", max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+        chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=6, stream=True))
+        assert any(c.choices and c.choices[0].delta.content for c in chunks)
+        st = admin_state(port)
+        assert st["pages"]["kv_dtype"] == "float8_e4m3fn" and st["transfers"]["kv_bytes_received"] > 0
+        assert st["transfers"]["kv_bytes_received"] == st["transfers"]["kv_pages_received"] * st["pages"]["page_bytes"]
+    finally:
+        stop(proc)
+
+
+def test_a_bad_kv_cache_dtype_is_one_line_naming_the_field():
+    from trnd.config import ConfigError, PrefillConfig, ServeConfig, load_config
+
+    for cls in (ServeConfig, PrefillConfig):
+        with pytest.raises(ConfigError, match=r"kv_cache_dtype = 'fp8' is not one of auto, fp8_e4m3, fp8_e5m2"):
+            load_config(cls, None, {"kv_cache_dtype": "fp8"})
+    assert load_config(ServeConfig, None, {"kv_cache_dtype": "fp8_e5m2"}).kv_cache_dtype == "fp8_e5m2"

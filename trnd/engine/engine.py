@@ -156,6 +156,9 @@ class Engine:
         self.cpu_paths = cpu_paths(loaded, why) if cfg.backend == "cpu" else {}
         if cfg.backend == "cpu":
             log.info(describe(loaded, why))
+        if cfg.kv_cache_dtype != "auto":  # the compiled CPU kernels take model-dtype pools only (kernels/cpu)
+            log.info("kv cache %s: %d-byte pages (values + per-block scales); attention dequantizes on the fly "
+                     "in the torch ops", cfg.kv_cache_dtype, self.runner.page_bytes)
 
     @property
     def namespace(self) -> str:
