@@ -60,8 +60,10 @@ def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, pag
     new = torch.stack((k, v), dim=1).float()  # [T, 2, Hk, D]
     pages, inv = torch.unique(page_ids, return_inverse=True)  # [U], [T]
     u, hk = len(pages), new.shape[2]
-    amax = torch.zeros(u, 2, hk).scatter_reduce_(0, inv[:, None, None].expand(-1, 2, hk), new.abs().amax(-1), "amax")
-    fresh = torch.zeros(u, dtype=torch.bool).index_put_((inv[offsets == 0],), torch.tensor(True))
+    dev = k.device
+    amax = torch.zeros(u, 2, hk, device=dev).scatter_reduce_(0, inv[:, None, None].expand(-1, 2, hk), new.abs().amax(-1), "amax")
+    fresh = torch.zeros(u, dtype=torch.bool, device=dev).index_put_((inv[offsets == 0],),
+                                                                    torch.tensor(True, device=dev))
     old = scales[pages, layer]  # [U, 2, Hk]
     old = torch.where(fresh[:, None, None], torch.zeros_like(old), old)
     scale = torch.maximum(old, amax / fmax)
@@ -75,8 +77,9 @@ def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, pag
     s = scale[inv].clamp_min(1e-30)[..., None]  # [T, 2, Hk, 1]
     q = (new / s).clamp(-fmax, fmax).to(kv.dtype)
     page, slot = page_ids[:, None, None], offsets[:, None, None]
-    head = torch.arange(hk)
-    values.index_put_((page, torch.full((), layer, dtype=torch.long), torch.arange(2)[:, None], head, slot), q)
+    head = torch.arange(hk, device=dev)
+    index = (page, torch.full((), layer, dtype=torch.long, device=dev), torch.arange(2, device=dev)[:, None], head, slot)
+    values.index_put_(index, q)
 
 
 def gather(kv: torch.Tensor, layer: int, pages: torch.Tensor, head_dim: int, dtype: torch.dtype):
