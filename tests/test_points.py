@@ -75,3 +75,12 @@ def test_capacity_is_in_admin_state(tiny_qwen3, tmp_path):
     finally:
         out = stop(pre)
     assert "full-length sequences" in out  # the start-up line
+
+
+def test_trnd_points_sizes_fp8_pages(tiny_qwen3):
+    from trnd.points_report import rows
+
+    auto = {r["point"]: r for r in rows(tiny_qwen3, "float32", 1, 0.1)}
+    fp8 = {r["point"]: r for r in rows(tiny_qwen3, "float32", 1, 0.1, "fp8_e4m3")}
+    assert fp8["8k"]["kv_per_token"] < auto["8k"]["kv_per_token"] / 3  # fp32 KV -> 1 byte + scales
+    assert fp8["8k"]["tokens"] > 3 * auto["8k"]["tokens"]

@@ -25,7 +25,7 @@ def _mem_gib(key: str) -> float:
     return 0.0
 
 
-def rows(model_dir, dtype: str, tp: int, kv_memory_gb: float) -> list[dict]:
+def rows(model_dir, dtype: str, tp: int, kv_memory_gb: float, kv_cache_dtype: str = "auto") -> list[dict]:
     from trnd.backends import resolve_dtype
     from trnd.engine.runner import kv_page_bytes
     from trnd.model.config import ModelConfig
@@ -36,7 +36,7 @@ def rows(model_dir, dtype: str, tp: int, kv_memory_gb: float) -> list[dict]:
     h0, h1 = TPGroup(0, tp).kv_heads(mc.num_kv_heads)
     out = []
     for name, p in sorted(load_points().items(), key=lambda kv: kv[1].max_context):
-        page_bytes = kv_page_bytes(mc, h1 - h0, p.page_size)
+        page_bytes = kv_page_bytes(mc, h1 - h0, p.page_size, kv_cache_dtype)
         pages = int(kv_memory_gb * GIB) // page_bytes
         one = p.pool_pages_needed() * page_bytes
         cap = capacity(p, page_bytes, pages)
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="small", help="model dir or preset (default small)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                    help="KV page format (fp8: about half the bytes per token, scales included)")
     ap.add_argument("--kv-memory-gb", type=float, default=1.0, help="the role's pool budget per rank (default 1)")
     args = ap.parse_args(argv)
     from trnd.backends import resolve_dtype
@@ -62,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model = resolve_model(args.model)
     dtype = resolve_dtype(args.dtype)[0] or "the checkpoint's"
-    print(f"model {model}, dtype {dtype}, tp {args.tp}, kv_memory_gb {args.kv_memory_gb} per rank; this machine: "
+    print(f"model {model}, dtype {dtype}, kv_cache_dtype {args.kv_cache_dtype}, tp {args.tp}, kv_memory_gb {args.kv_memory_gb} per rank; this machine: "
           f"{os.cpu_count()} cores, {_mem_gib('MemTotal'):.1f} GiB RAM, {_mem_gib('MemAvailable'):.1f} GiB available")
     print(f"{'point':<6}{'context':>9}{'batch':>6}{'page':>5}{'KV B/tok':>9}{'1 seq GiB':>10}{'batch GiB':>10}"
           f"{'pool tok':>10}{'full seqs':>10}  status")
-    for r in rows(model, args.dtype, args.tp, args.kv_memory_gb):
+    for r in rows(model, args.dtype, args.tp, args.kv_memory_gb, args.kv_cache_dtype):
         status = (f"refused: {r['positions']}" if r["positions"] else
                   "does not fit: one full-length sequence needs more than kv_memory_gb" if not r["fits"] else
                   "ok" if r["full_seqs"] >= r["max_batch"] else
