@@ -95,7 +95,7 @@ def _check_common(cfg) -> None:
     choices = {"log_level": ("debug", "info", "warning", "error"), "dtype": ("auto", "bfloat16", "float32", "float16"),
                "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
                "host_policy": ("write-back", "write-through"), "backend": ("cpu", "cuda", "neuron"),
-               "router_policy": (None, "affinity", "random")}
+               "router_policy": ("affinity", "random"), "policy": ("affinity", "random")}
     point = getattr(cfg, "point", None)
     if point is not None:
         from trnd.points import load_points
@@ -108,7 +108,9 @@ def _check_common(cfg) -> None:
             raise msgspec.ValidationError(f"point = {point!r} is not a known decode point (known: "
                                           f"{', '.join(sorted(known))}) - at `$.point`")
     for field, allowed in choices.items():
-        value = getattr(cfg, field, None)
+        if field not in cfg.__struct_fields__:  # each role's config has its own subset
+            continue
+        value = getattr(cfg, field)
         if field == "log_level" and isinstance(value, str):
             value = value.lower()
         if value not in allowed:
@@ -217,11 +219,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
 
     def __post_init__(self):
-        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise msgspec.ValidationError(f"log_level = {self.log_level!r} is not one of debug, info, warning, "
-                                          "error - at `$.log_level`")
-        if self.policy not in ("affinity", "random"):
-            raise msgspec.ValidationError(f"policy = {self.policy!r} is not one of affinity, random - at `$.policy`")
+        _check_common(self)
         for i, t in enumerate(self.targets):
             host, _, port = t.rpartition(":")
             if not host or not port.isdigit():
@@ -257,9 +255,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 2.0
 
     def __post_init__(self):
-        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise msgspec.ValidationError(f"log_level = {self.log_level!r} is not one of debug, info, warning, "
-                                          "error - at `$.log_level`")
+        _check_common(self)
 
     resolved_secret = RoleConfig.resolved_secret
     resolved_api_key = ServeConfig.resolved_api_key
