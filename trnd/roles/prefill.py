@@ -77,6 +77,14 @@ class PrefillServer:
         return await asyncio.start_server(self._on_conn, self.cfg.host, self.cfg.control_port)
 
     async def _on_conn(self, reader, writer) -> None:
+        """asyncio's server callback. A connection still open at shutdown is cancelled: that ends it, it is
+        not an error (asyncio would log the CancelledError with a traceback at every clean stop)."""
+        try:
+            await self._serve_conn(reader, writer)
+        except asyncio.CancelledError:
+            writer.close()
+
+    async def _serve_conn(self, reader, writer) -> None:
         addr = writer.get_extra_info("peername")
         chan = P.Channel(reader, writer, self.secret, name=f"decode@{addr}")
         try:
