@@ -95,7 +95,9 @@ def test_missing_and_non_object(server, model):
 
 @pytest.mark.parametrize("messages, param", [
     ([], "messages"),
-    ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
+    ([{"role": "function", "content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
     ([{"role": "user", "content": None}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0]"),
 ])
@@ -224,7 +226,9 @@ def test_queue_full_is_503_with_retry_after(server, model):
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "stream", "stream_options", "session_id", "ignore_eos", "min_tokens",
-          "skip_special_tokens", "stop_token_ids", "echo", "best_of", "user", "tools"]
+          "skip_special_tokens", "stop_token_ids", "echo", "best_of", "user", "tools", "tool_choice",
+          "response_format", "structured_outputs", "logit_bias", "chat_template_kwargs", "parallel_tool_calls",
+          "suffix", "guided_json", "no_stop_trim", "include_reasoning"]
 
 scalars = (st.none() | st.booleans() | st.integers(-3, 30) | st.integers(-2**70, 2**70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.floats(-3, 3) | st.text(max_size=12))

@@ -269,10 +269,14 @@ def test_ignore_eos_and_min_tokens(client, model):
     assert r.usage.completion_tokens == 10
 
 
-def test_unknown_fields_are_ignored(client, model):
+def test_unknown_fields_are_400_known_extras_accepted(client, model):
     r = client.chat.completions.create(model=model, messages=chat("x"), max_tokens=2, user="someone",
-                                       extra_body={"some_future_field": {"a": [1]}, "session_id": "s-1"})
+                                       extra_body={"session_id": "s-1"})
     assert r.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=chat("x"), max_tokens=2,
+                                       extra_body={"some_future_field": {"a": [1]}})
+    assert e.value.body["param"] == "some_future_field"
 
 
 # -- completions ------------------------------------------------------------------------------------

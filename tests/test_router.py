@@ -76,6 +76,18 @@ def test_a_session_stays_on_one_server_and_hits_its_cache(router):
     assert seen[1][2] > 0 and seen[2][2] > 0  # turns 2-3 found the conversation in that server's prefix cache
 
 
+def test_prompt_cache_key_routes_as_a_session(router):
+    """OpenAI's prompt_cache_key stands for session_id at the router as on the servers."""
+    c = client(router)
+    seen = set()
+    for turn in range(3):
+        raw = c.chat.completions.with_raw_response.create(
+            model=c.models.list().data[0].id, messages=[{"role": "user", "content": f"turn {turn}"}], max_tokens=2,
+            extra_body={"prompt_cache_key": "pck-1"})
+        seen.add((raw.headers["x-trnd-target"], raw.headers["x-trnd-route"]))
+    assert len(seen) == 1 and next(iter(seen))[1] == "session"
+
+
 def test_sessions_spread_over_both_servers(router, backends):
     c = client(router)
     where = {chat_turn(c, [{"role": "user", "content": "hi"}], f"spread-{i}")[0] for i in range(12)}

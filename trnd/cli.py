@@ -59,6 +59,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "none"],
+                   help="how the model writes tool calls (default hermes: Qwen2.5/Qwen3 <tool_call> JSON)")
+    p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1", "none"],
+                   help="split <think>...</think> into reasoning_content (default none)")
 
 
 def _role_flags(p) -> None:
@@ -94,6 +98,10 @@ def _disagg_parsers(sub) -> None:
     d.add_argument("--prefill", action="append", metavar="HOST:PORT", help="a prefill server's control port")
     d.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
     d.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
+    d.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "none"],
+                   help="how the model writes tool calls (default hermes: Qwen2.5/Qwen3 <tool_call> JSON)")
+    d.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1", "none"],
+                   help="split <think>...</think> into reasoning_content (default none)")
 
 
 def _router_parser(sub) -> None:
@@ -146,6 +154,13 @@ def _bench_parser(sub) -> None:
     d.add_argument("--reps", type=int, default=3)
     d.add_argument("--kv-memory-gb", type=float, default=2.0)
     d.add_argument("--threads", type=int, default=None)
+    g = bsub.add_parser("grammar", help="decode tok/s with and without a json_schema on every request")
+    g.add_argument("--model", default="small", help="model dir or preset (default small)")
+    g.add_argument("--batch", type=int, default=8)
+    g.add_argument("--new-tokens", type=int, default=64)
+    g.add_argument("--reps", type=int, default=3)
+    g.add_argument("--dtype", default="bfloat16")
+    g.add_argument("--threads", type=int, default=None)
     from trnd.bench import serve_compare
 
     sc = bsub.add_parser("serve-compare", help="trnd vs vLLM's CPU build, both loaded by `vllm bench serve`")

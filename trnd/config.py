@@ -75,6 +75,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_prefill: Annotated[int, Meta(ge=1, le=16)] = 1  # local deployment: prefill servers (--prefill N)
     num_decode: Annotated[int, Meta(ge=1, le=16)] = 1  # decode servers (--decode M); > 1: `trnd router` on port
     router_policy: str = "affinity"  # the local router's policy (affinity; random for benchmarks)
+    # How this model writes tool calls and reasoning (docs/API.md); "none" turns a parser off.
+    tool_call_parser: str = "hermes"  # hermes (Qwen2.5/Qwen3, the default model) | llama3_json | none
+    reasoning_parser: str = "none"  # qwen3 | deepseek_r1 | none
 
     def __post_init__(self):
         _check_common(self)
@@ -95,7 +98,8 @@ def _check_common(cfg) -> None:
     choices = {"log_level": ("debug", "info", "warning", "error"), "dtype": ("auto", "bfloat16", "float32", "float16"),
                "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
                "host_policy": ("write-back", "write-through"), "backend": ("cpu", "cuda", "neuron"),
-               "router_policy": ("affinity", "random"), "policy": ("affinity", "random")}
+               "router_policy": ("affinity", "random"), "policy": ("affinity", "random"),
+               "tool_call_parser": ("hermes", "llama3_json", "none"), "reasoning_parser": ("qwen3", "deepseek_r1", "none")}
     point = getattr(cfg, "point", None)
     if point is not None:
         from trnd.points import load_points

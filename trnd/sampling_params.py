@@ -5,6 +5,15 @@ from __future__ import annotations
 
 import msgspec
 
+GRAMMAR_KINDS = ("json_schema", "regex", "choice", "lark", "ebnf")
+
+
+class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A structured-output constraint as plain data; engine/grammar.py compiles it (llguidance)."""
+    kind: str  # one of GRAMMAR_KINDS
+    value: str  # the schema as JSON text, the regex, a JSON list of choices, or the grammar text
+    after: str | None = None  # unconstrained until the output contains this (reasoning end)
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     max_tokens: int = 16
@@ -22,6 +31,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    grammar: GrammarSpec | None = None  # structured output (engine/grammar.py)
 
     @property
     def greedy(self) -> bool:

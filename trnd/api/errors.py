@@ -65,6 +65,7 @@ def error_response(err: APIError) -> Response:
 # msgspec ends its messages with "- at `$.messages[0].content`"; the path (minus "$.") is the param.
 _AT = re.compile(r"\s*- at `\$\.?([^`]*)`\s*$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
 
 def from_decode_error(e: msgspec.DecodeError) -> APIError:
@@ -77,7 +78,7 @@ def from_decode_error(e: msgspec.DecodeError) -> APIError:
     if m:
         param = m.group(1) or None
         msg = msg[:m.start()]
-    missing = _MISSING.search(msg)
+    missing = _MISSING.search(msg) or _UNKNOWN.search(msg)
     if missing:
         param = f"{param}.{missing.group(1)}" if param else missing.group(1)
     where = f" (at '{param}')" if param else ""

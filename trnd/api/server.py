@@ -26,8 +26,11 @@ from starlette.routing import Route
 
 from trnd.api import protocol as P
 from trnd.api.app import AppState, admin_routes, json_response, make_app, state_of
+from trnd.api.chat import ChatPlan, ChoiceText, chat_grammar, plan_chat
 from trnd.api.errors import APIError, error_bytes, from_decode_error
+from trnd.api.params import chat_messages, check_completion_prompt, to_sampling_params
 from trnd.api.stream import EventStream, merge, sse, until_disconnect
+from trnd.api.structured import request_grammar
 from trnd.config import ServeConfig
 from trnd.engine.engine import LengthError
 from trnd.engine.loop import DeadlineExceeded, EngineLoop, QueueFull, Unavailable
@@ -102,27 +105,32 @@ async def _encode(st: AppState, text: str, add_special_tokens: bool) -> list[int
 async def chat_completions(request: Request) -> Response:
     arrival, st = time.monotonic(), state_of(request)
     req: P.ChatCompletionRequest = await _decode(request, st, P.ChatCompletionRequest)
-    params, n = P.to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
-    messages = P.chat_messages(req)
+    params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
+    messages = chat_messages(req)
+    plan = plan_chat(req, st.cfg.tool_call_parser, st.cfg.reasoning_parser)
     try:
-        prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except (jinja2.TemplateError, ValueError) as e:  # e.g. "roles must alternate", or no template at all
+        prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **plan.template_kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as e:  # "roles must alternate", no template at all...
         raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
+    params.grammar = chat_grammar(req, plan, prompt, st.loop.engine.grammars)
     # The template already wrote every special token (BOS included); encoding must not add another.
     ids = await _encode(st, prompt, add_special_tokens=False)
-    job = Job(st, "chat", ids, params, n, req.session_id, bool(req.stream),
-              bool(req.stream_options and req.stream_options.include_usage), "messages", arrival)
+    job = Job(st, "chat", ids, params, n, req.session_id or req.prompt_cache_key, bool(req.stream),
+              bool(req.stream_options and req.stream_options.include_usage), "messages", arrival,
+              plan=plan, user=req.user or req.safety_identifier)
     return await job.respond(request)
 
 
 async def completions(request: Request) -> Response:
     arrival, st = time.monotonic(), state_of(request)
     req: P.CompletionRequest = await _decode(request, st, P.CompletionRequest)
-    params, n = P.to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
-    prompt = P.check_completion_prompt(req.prompt)
+    params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
+    prompt = check_completion_prompt(req.prompt)
+    params.grammar = request_grammar(req, st.loop.engine.grammars)
     ids = await _encode(st, prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-    job = Job(st, "completion", ids, params, n, req.session_id, bool(req.stream),
-              bool(req.stream_options and req.stream_options.include_usage), "prompt", arrival)
+    job = Job(st, "completion", ids, params, n, req.session_id or req.prompt_cache_key, bool(req.stream),
+              bool(req.stream_options and req.stream_options.include_usage), "prompt", arrival,
+              user=req.user or req.safety_identifier)
     return await job.respond(request)
 
 
@@ -147,8 +155,10 @@ def _translate(e: BaseException, prompt_param: str, num_prompt: int, max_model_l
 
 class Job:
     def __init__(self, st: AppState, kind: str, ids: list[int], params: SamplingParams, n: int,
-                 session_id: str | None, stream: bool, include_usage: bool, prompt_param: str, arrival: float):
+                 session_id: str | None, stream: bool, include_usage: bool, prompt_param: str, arrival: float,
+                 plan: ChatPlan | None = None, user: str | None = None):
         self.st, self.kind, self.ids, self.n = st, kind, ids, n
+        self.plan = plan or ChatPlan()
         self.session_id, self.stream, self.include_usage = session_id, stream, include_usage
         self.prompt_param = prompt_param
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -185,6 +195,9 @@ class Job:
                        else msgspec.structs.replace(params, seed=params.seed + i) for i in range(n)]
         self.want_logprobs = params.logprobs is not None
         self.trackers = [st.metrics.tracker(arrival) for _ in range(n)]
+        log.log(logging.INFO if session_id or user else logging.DEBUG,
+                "request %s: %s, %d prompt tokens, n=%d, session_id=%s, user=%s, grammar=%s", self.id, kind, len(ids),
+                n, session_id, user, params.grammar.kind if params.grammar else None)
 
     def release(self) -> None:
         self.st.loop.unreserve(self.rids)
@@ -242,9 +255,12 @@ class Job:
         reasons = [o.finish_reason if o is not None else "abort" for o in last]
         usage = self.usage(last)
         if self.kind == "chat":
-            choices = [P.ChatChoice(i, P.ChatMessageOut("assistant", "".join(texts[i])),
+            parsed = [ChoiceText(self.plan) for _ in range(n)]
+            for i in range(n):
+                parsed[i].push("".join(texts[i]), final=True)
+            choices = [P.ChatChoice(i, parsed[i].message(),
                                     P.ChatLogprobs(self.chat_logprobs(lps[i])) if self.want_logprobs else None,
-                                    reasons[i]) for i in range(n)]
+                                    parsed[i].finish_reason(reasons[i])) for i in range(n)]
             return P.ChatCompletion(self.id, "chat.completion", self.created, self.st.model_name, choices, usage)
         choices = [P.CompletionChoice(i, "".join(texts[i]),
                                       self.completion_logprobs(lps[i], 0) if self.want_logprobs else None,
@@ -263,6 +279,7 @@ class Job:
         name, n = self.st.model_name, self.n
         last: list[StepOutput | None] = [None] * n
         offsets = [0] * n
+        parsed = [ChoiceText(self.plan) for _ in range(n)]
         if self.kind == "chat":
             for i in range(n):
                 yield sse(P.ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, name,
@@ -275,9 +292,16 @@ class Job:
                         continue
                     if self.kind == "chat":
                         lp = P.ChatLogprobs(self.chat_logprobs(out.logprobs or [])) if self.want_logprobs else None
-                        choice = P.ChatChunkChoice(i, P.Delta(content=out.text or None), lp, out.finish_reason)
-                        yield sse(P.ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, name,
-                                                         [choice]))
+                        deltas = parsed[i].push(out.text, final=out.finished)
+                        if not deltas and lp is None and not out.finished:
+                            continue  # held back (a tag may be starting): nothing to send yet
+                        deltas = deltas or [P.Delta()]
+                        for k, delta in enumerate(deltas):
+                            last_one = k == len(deltas) - 1
+                            choice = P.ChatChunkChoice(i, delta, lp if last_one else None,
+                                                       parsed[i].finish_reason(out.finish_reason) if last_one else None)
+                            yield sse(P.ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, name,
+                                                             [choice]))
                     else:
                         lp = None
                         if self.want_logprobs:

@@ -159,6 +159,7 @@ class Engine:
         if cfg.kv_cache_dtype != "auto":  # the compiled CPU kernels take model-dtype pools only (kernels/cpu)
             log.info("kv cache %s: %d-byte pages (values + per-block scales); attention dequantizes on the fly "
                      "in the torch ops", cfg.kv_cache_dtype, self.runner.page_bytes)
+        self._grammars = None
 
     @property
     def namespace(self) -> str:
@@ -209,6 +210,16 @@ class Engine:
         return Tiers(self.radix, self.pool, cfg.page_size, self.namespace, host, cfg.host_policy, remote,
                      cfg.store_on_finish)
 
+    @property
+    def grammars(self):
+        """The llguidance side (engine/grammar.py), made on the first request that has a grammar."""
+        if self._grammars is None:
+            from trnd.engine.grammar import Grammars
+
+            self._grammars = Grammars((Path(self.cfg.model) / "tokenizer.json").read_text(encoding="utf-8"),
+                                      self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammars
+
     # -- requests -----------------------------------------------------------------------------------
 
     def check_length(self, num_prompt: int, max_tokens: int) -> None:
@@ -226,6 +237,8 @@ class Engine:
         req = Req(prompt_ids, params, rid, session_id)
         if req.rid in self.streams:
             raise ValueError(f"request id {req.rid!r} is already in use")
+        if params.grammar is not None:
+            req.grammar = self.grammars.state(params.grammar)
         self.streams[req.rid] = OutputStream(self.tokenizer, req)
         self.scheduler.add(req)
         self.stats.prompt_tokens += req.num_prompt
@@ -308,6 +321,8 @@ class Engine:
         """Append one sampled token (here, or on a prefill server) and finish the request if it is done."""
         now = time.monotonic()
         req.output_ids.append(s.token)
+        if req.grammar is not None:
+            req.grammar.advance(s.token)
         if s.logprob is not None:
             req.output_logprobs.append((s.logprob, s.top_logprobs or []))
         if req.first_token_time is None:

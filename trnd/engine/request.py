@@ -35,6 +35,7 @@ class Req:
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
+        self.grammar = None  # GrammarState (engine/grammar.py) when params.grammar is set
         self.status = Status.WAITING
         self.pages: list[int] = []
         self.num_cached = 0  # prefix-cache hit at the latest admission

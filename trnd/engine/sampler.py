@@ -1,6 +1,6 @@
 """Turns one row of logits per request into its next token (plus logprobs when asked).
 
-Pipeline per row: penalties -> min_tokens ban -> [logprobs read here] -> greedy argmax, or
+Pipeline per row: logit_bias -> penalties -> min_tokens ban -> grammar mask -> [logprobs read here] -> greedy argmax, or
 temperature -> top_k/top_p/min_p -> inverse-CDF draw with one uniform u per row.
 
 Logprobs are "processed" logprobs in one fixed sense: log_softmax of the logits AFTER repetition/
@@ -12,6 +12,10 @@ and the token a pure function of (filtered probabilities, u) (`kernels.sampling.
 So a seeded request yields the same tokens alone or batched, and when consecutive positions are
 sampled by different processes (prefill server samples token 0, decode server the rest), as far as
 the logits themselves are reproducible (batch-variant matmuls can still move a near-tie).
+
+Grammar rows (engine/grammar.py) are masked in one batched fill; rows without a grammar cost nothing,
+and a batch with none keeps the plain-greedy fast path. The min_tokens ban skips grammar rows: a
+finished grammar allows only eos, which the ban would leave no token at all.
 
 `ignore_eos` masks nothing here: the engine simply does not stop on eos. `min_tokens` does mask:
 while len(output_ids) < min_tokens, the eos ids and stop_token_ids get -inf.
@@ -41,12 +45,17 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 def _min_tokens_active(r: Req) -> bool:
-    return len(r.output_ids) < r.params.min_tokens
+    return len(r.output_ids) < r.params.min_tokens and not _masked(r)
+
+
+def _masked(r: Req) -> bool:
+    return r.grammar is not None and r.grammar.active
 
 
 def _plain_greedy(r: Req) -> bool:
     p = r.params
-    return p.greedy and p.logprobs is None and not _has_penalty(p) and not _min_tokens_active(r)
+    return (p.greedy and p.logprobs is None and not _has_penalty(p) and not _min_tokens_active(r)
+            and r.grammar is None and not p.logit_bias)
 
 
 def seed_uniform(seed: int, position: int) -> float:
@@ -75,6 +84,12 @@ class Sampler:
 
         dev = logits.device
         x = logits.float()
+        bias = [(i, t, b) for i, r in enumerate(reqs) if r.params.logit_bias
+                for t, b in r.params.logit_bias.items() if 0 <= t < V]
+        if bias:
+            rows, cols, vals = zip(*bias)
+            x = x.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                            torch.tensor(vals, dtype=torch.float32, device=dev), accumulate=True)
         pen = [i for i, r in enumerate(reqs) if _has_penalty(r.params)]
         if pen:
             sub = [reqs[i] for i in pen]
@@ -97,6 +112,11 @@ class Sampler:
         if ban_rows:
             x = x.index_put((torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)),
                             torch.tensor(float("-inf"), device=dev))
+
+        gram = [i for i, r in enumerate(reqs) if _masked(r)]
+        if gram:
+            states = [reqs[i].grammar for i in gram]
+            x = states[0].grammars.mask(x, gram, states)
 
         tokens = x.argmax(dim=-1)  # right for greedy rows; random rows are overwritten below
         rnd = [i for i, r in enumerate(reqs) if not r.params.greedy]

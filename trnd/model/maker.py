@@ -38,22 +38,47 @@ ARCHS = ("qwen3", "llama")
 LOGIT_STD = 2.0  # spread of the random model's logits, see random_weights
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}\n"
-    "{%- if message['content'] is string %}\n"
-    "{{- message['content'] }}\n"
-    "{%- elif message['content'] is not none %}\n"
-    "{%- for part in message['content'] %}\n"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}\n"
-    "{%- endfor %}\n"
-    "{%- endif %}\n"
-    "{{- '<|im_end|>\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "{{- '<|im_start|>assistant\\n' }}\n"
-    "{%- endif %}\n"
-)
+# Qwen3's template (Hermes-style tools): tools listed in the system turn, calls as <tool_call> JSON,
+# tool results as <tool_response> in a user turn, `enable_thinking=false` closes an empty think block.
+# Without tools or reasoning it renders plain ChatML.
+CHAT_TEMPLATE = """\
+{%- macro text(content) -%}
+{%- if content is string -%}{{- content -}}
+{%- elif content is not none -%}{%- for part in content -%}{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages and messages[0]['role'] == 'system' %}{{- text(messages[0]['content']) + '\n\n' }}{%- endif %}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and tools and loop.first %}
+{%- elif message['role'] == 'assistant' %}
+{{- '<|im_start|>assistant\n' + text(message['content']) }}
+{%- for call in message['tool_calls'] or [] %}
+{%- set fn = call['function'] if call['function'] is defined else call %}
+{%- if not loop.first or text(message['content']) %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n{"name": "' + fn['name'] + '", "arguments": ' }}
+{%- if fn['arguments'] is string %}{{- fn['arguments'] }}{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message['role'] == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + text(message['content']) + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message['role'] + '\n' + text(message['content']) + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}
+"""
 
 
 def cache_dir() -> Path:
@@ -72,6 +97,7 @@ def ensure_model(preset: str = "tiny", arch: str = "qwen3", seed: int = 0) -> Pa
     """
     final = default_model_dir(preset, arch, seed)
     if (final / "config.json").is_file():
+        _refresh_template(final)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
@@ -87,6 +113,22 @@ def ensure_model(preset: str = "tiny", arch: str = "qwen3", seed: int = 0) -> Pa
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def _refresh_template(model_dir: Path) -> None:
+    """A default model made by an older trnd gets the current chat template (weights, tokenizer and so
+    the model fingerprint unchanged): tokenizer_config.json is rewritten in place, atomically."""
+    path = model_dir / "tokenizer_config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if cfg.get("chat_template") == CHAT_TEMPLATE:
+        return
+    cfg["chat_template"] = CHAT_TEMPLATE
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    _write_json(tmp, cfg)
+    os.replace(tmp, path)
 
 
 def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen3", seed: int = 0,

@@ -176,9 +176,11 @@ def _route(path: str):
             raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "The body must be a JSON object", code="invalid_json")
-        session = data.get("session_id") or request.headers.get("x-session-id")
+        # prompt_cache_key (OpenAI's name) stands for session_id, as on the servers (api/server.py)
+        field = "session_id" if data.get("session_id") is not None else "prompt_cache_key"
+        session = data.get(field) or request.headers.get("x-session-id")
         if session is not None and not isinstance(session, str):
-            raise APIError(400, "session_id must be a string", param="session_id")
+            raise APIError(400, f"{field} must be a string", param=field)
         text = prompt_text(path, data)
         headers = {"content-type": "application/json"}
         key = st.cfg.resolved_target_key()

@@ -26,7 +26,7 @@ from trnd.sampling_params import SamplingParams
 
 log = logging.getLogger("trnd.control")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: SamplingParams carries grammar + logit_bias (a v1 prefill would drop them)
 MAX_FRAME = 64 * 2**20
 MAX_HANDSHAKE_FRAME = 64 * 2**10  # a Hello is ~2 KB (NIXL's agent metadata is ~0.5 KB)
 HANDSHAKE_TIMEOUT_S = 10.0

@@ -1,0 +1,134 @@
+"""The chat-only parts of a request around the engine: what tools and reasoning do to the prompt and
+the grammar (`plan_chat`), and what the model's text becomes in the reply (`ChoiceText`: reasoning,
+content and tool calls, streamed or whole, from the same incremental parsers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trnd.api import protocol as P
+from trnd.api.errors import invalid
+from trnd.api.reasoning import END, ReasoningParser
+from trnd.api.structured import request_grammar
+from trnd.api.tools import make_parser, tool_grammar
+from trnd.sampling_params import GrammarSpec
+
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+@dataclass
+class ChatPlan:
+    template_kwargs: dict = field(default_factory=dict)
+    tool_parser: str | None = None  # parse tool calls out of the reply with this parser
+    reasoning_parser: str | None = None
+    tool_spec: GrammarSpec | None = None  # what tool_choice required / named imposes
+    parallel: bool = True
+
+
+def plan_chat(req: P.ChatCompletionRequest, tool_call_parser: str, reasoning_parser: str) -> ChatPlan:
+    plan = ChatPlan(reasoning_parser=None if reasoning_parser == "none" else reasoning_parser)
+    kwargs = dict(req.chat_template_kwargs or {})
+    for k in RESERVED_TEMPLATE_KWARGS:
+        if k in kwargs:
+            raise invalid(f"chat_template_kwargs.{k}", f"chat_template_kwargs.{k} is set by trnd, not the request")
+    plan.parallel = req.parallel_tool_calls is not False
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice", "tool_choice needs tools")
+        plan.template_kwargs = kwargs
+        return plan
+    for i, t in enumerate(req.tools):
+        if t.type != "function":
+            raise invalid(f"tools[{i}].type", f"tools[{i}].type {t.type!r} is not supported (function)")
+        if t.function.parameters is not None and not isinstance(t.function.parameters, dict):
+            raise invalid(f"tools[{i}].function.parameters", "parameters must be a JSON schema object")
+    defs = [{"name": t.function.name, "description": t.function.description,
+             "parameters": t.function.parameters or {"type": "object", "properties": {}}} for t in req.tools]
+    choice = "auto" if choice is None else choice
+    if choice == "none":  # the model is not offered the tools and its text is not parsed for calls
+        plan.template_kwargs = kwargs
+        return plan
+    parser = None if tool_call_parser == "none" else tool_call_parser
+    if parser is None:
+        raise invalid("tool_choice", "tool calls need a tool_call_parser: this server is configured without one")
+    plan.tool_parser = parser
+    kwargs["tools"] = [{"type": "function", "function": {k: v for k, v in d.items() if v is not None}} for d in defs]
+    plan.template_kwargs = kwargs
+    if isinstance(choice, P.NamedToolChoice):
+        named = [d for d in defs if d["name"] == choice.function.name]
+        if not named:
+            raise invalid("tool_choice.function.name", f"tool_choice.function.name {choice.function.name!r} is not "
+                                                       "one of the tools")
+        plan.tool_spec = tool_grammar(named, parser, parallel=False)
+    elif choice == "required":
+        plan.tool_spec = tool_grammar(defs, parser, plan.parallel)
+    elif choice != "auto":
+        raise invalid("tool_choice", f"tool_choice {choice!r} is not one of none, auto, required or a named function")
+    return plan
+
+
+def chat_grammar(req: P.ChatCompletionRequest, plan: ChatPlan, prompt: str, grammars) -> GrammarSpec | None:
+    """The request's grammar; with a reasoning parser it starts after `</think>`, unless the prompt
+    already closed the think block (enable_thinking: false)."""
+    after = END if plan.reasoning_parser and not prompt.rstrip().endswith(END) else None
+    return request_grammar(req, grammars, plan.tool_spec, after)
+
+
+class ChoiceText:
+    """One choice's text, split into reasoning, content and tool calls as it arrives."""
+
+    def __init__(self, plan: ChatPlan):
+        self.reasoning = ReasoningParser(plan.reasoning_parser) if plan.reasoning_parser else None
+        self.tools = make_parser(plan.tool_parser) if plan.tool_parser else None
+        self.reasoning_text: list[str] = []
+        self.content: list[str] = []
+
+    def push(self, text: str, final: bool = False) -> list[P.Delta]:
+        """The stream deltas for this text, one chunk each ([]: nothing to send yet). As OpenAI sends
+        them: a call's first chunk has id, type and name with arguments "", then argument fragments."""
+        reasoning, content = (self.reasoning.push(text, final) if self.reasoning else ("", text))
+        calls: list[tuple] = []
+        if self.tools is not None:
+            d = self.tools.push(content) if content else None
+            if final:
+                tail = self.tools.finish()
+                if d is None:
+                    d = tail
+                else:
+                    d.content += tail.content
+                    d.calls += tail.calls
+            if d is not None:
+                content, calls = d.content, d.calls
+        self.reasoning_text.append(reasoning)
+        self.content.append(content)
+        out = []
+        if reasoning or content:
+            out.append(P.Delta(content=content or None, reasoning_content=reasoning or None,
+                               reasoning=reasoning or None))
+        for i, cid, name, args in calls:
+            if cid is None and out and out[-1].tool_calls and out[-1].tool_calls[0].index == i \
+                    and out[-1].tool_calls[0].id is None:
+                out[-1].tool_calls[0].function.arguments += args  # fragments of one step: one chunk
+            else:
+                fn = P.FunctionDelta(name, args if cid is None else "")
+                out.append(P.Delta(tool_calls=[P.ToolCallDelta(i, fn, cid, "function" if cid else None)]))
+                if cid is not None and args:
+                    out.append(P.Delta(tool_calls=[P.ToolCallDelta(i, P.FunctionDelta(arguments=args))]))
+        return out
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.tools and self.tools.calls)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.has_calls else reason
+
+    def message(self) -> P.ChatMessageOut:
+        content = "".join(self.content)
+        reasoning = "".join(self.reasoning_text) or None
+        calls = None
+        if self.has_calls:
+            calls = [P.ToolCallOut(c.id, "function", P.FunctionOut(c.name, c.arguments)) for c in self.tools.calls]
+            content = content if content.strip() else None
+        return P.ChatMessageOut("assistant", content, reasoning, reasoning, calls)

@@ -1,0 +1,161 @@
+"""A decoded request body -> what the engine takes: the messages for the chat template, the prompt,
+and SamplingParams; every value range checked here, each refusal a 400 naming its param."""
+
+from __future__ import annotations
+
+import msgspec
+
+from trnd.api import protocol as P
+from trnd.api.errors import APIError, invalid
+from trnd.api.fields import check_finite, check_range, check_rejected, logit_bias
+from trnd.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+INT64 = (-2**63, 2**63 - 1)  # JSON integers are unbounded; the engine and the control plane carry int64
+
+
+def chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
+    """Plain {"role", "content"} dicts for the chat template; text parts are concatenated."""
+    if not req.messages:
+        raise invalid("messages", "messages must contain at least one message")
+    out = []
+    for i, m in enumerate(req.messages):
+        role = "system" if m.role == "developer" else m.role
+        if role not in ("system", "user", "assistant", "tool"):
+            raise invalid(f"messages[{i}].role", f"messages[{i}].role {m.role!r} is not supported "
+                                                 "(use system, user, assistant or tool)")
+        if m.tool_calls is not None and role != "assistant":
+            raise invalid(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: only assistant messages call tools")
+        if role == "tool" and not m.tool_call_id:
+            raise invalid(f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id is required for role tool")
+        if m.content is None:
+            if role != "assistant":
+                raise invalid(f"messages[{i}].content", f"messages[{i}].content is required for role {role}")
+            text = ""
+        elif isinstance(m.content, str):
+            text = m.content
+        else:
+            parts = []
+            for j, p in enumerate(m.content):
+                if p.type != "text" or p.text is None:
+                    raise invalid(f"messages[{i}].content[{j}]", f"messages[{i}].content[{j}]: only parts "
+                                                                 f"of type 'text' with a 'text' string are supported")
+                parts.append(p.text)
+            text = "".join(parts)
+        msg = {"role": role, "content": text}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(f"messages[{i}].tool_calls[{j}].function.arguments",
+                                                                 c.function.arguments)}}
+                for j, c in enumerate(m.tool_calls)]
+        if role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _arguments(param: str, args: str | dict) -> dict:
+    """Tool-call arguments as the template wants them (a mapping), from OpenAI's JSON string."""
+    if isinstance(args, dict):
+        return args
+    try:
+        value = msgspec.json.decode(args or "{}")
+    except msgspec.DecodeError:
+        raise invalid(param, f"{param} must be a JSON object encoded as a string") from None
+    if not isinstance(value, dict):
+        raise invalid(param, f"{param} must be a JSON object encoded as a string")
+    return value
+
+
+def to_sampling_params(req: P.ChatCompletionRequest | P.CompletionRequest, max_n: int, max_stop: int = 4,
+                       max_stop_chars: int = 1024) -> tuple[SamplingParams, int]:
+    """Validate ranges and build the engine's SamplingParams (max_tokens still unresolved: 0 = default).
+    Stop strings are matched on the engine thread for every token of every choice, so their number
+    and length are capped (OpenAI allows 4)."""
+    check_rejected(req)
+    check_range("temperature", req.temperature, 0.0, 2.0)
+    check_range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
+    check_range("min_p", req.min_p, 0.0, 1.0)
+    check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    check_finite("repetition_penalty", req.repetition_penalty)
+    if req.repetition_penalty is not None and req.repetition_penalty <= 0:
+        raise invalid("repetition_penalty", f"repetition_penalty must be > 0, got {req.repetition_penalty}")
+    if req.top_k is not None and req.top_k < -1:
+        raise invalid("top_k", f"top_k must be -1 (off) or >= 0, got {req.top_k}")
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= max_n:
+        raise invalid("n", f"n must be in [1, {max_n}], got {n}")
+    if req.seed is not None and not INT64[0] <= req.seed <= INT64[1] - (n - 1):  # choice i uses seed + i
+        raise invalid("seed", f"seed must be a 64-bit signed integer in [{INT64[0]}, {INT64[1] - (n - 1)}]"
+                              f"{' with n = ' + str(n) if n > 1 else ''}, got {req.seed}")
+
+    max_tokens, max_name = req.max_tokens, "max_tokens"
+    if isinstance(req, P.ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid(max_name, f"{max_name} must be at least 1, got {max_tokens}")
+    min_tokens = req.min_tokens or 0
+    if min_tokens < 0:
+        raise invalid("min_tokens", f"min_tokens must be >= 0, got {min_tokens}")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise invalid("min_tokens", f"min_tokens ({min_tokens}) must not exceed {max_name} ({max_tokens})")
+
+    if isinstance(req, P.ChatCompletionRequest):
+        if req.top_logprobs is not None:
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise invalid("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
+            if not req.logprobs:
+                raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise invalid("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
+        if req.echo:
+            raise invalid("echo", "echo is not supported")
+        if req.best_of is not None and req.best_of != n:
+            raise invalid("best_of", "best_of is not supported (it must be absent or equal to n)")
+        logprobs = req.logprobs
+
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    stop = [s for s in stop if s]  # "" would match everywhere; OpenAI ignores it too
+    if len(stop) > max_stop:
+        raise invalid("stop", f"stop has {len(stop)} sequences; at most {max_stop} are allowed")
+    if sum(len(s) for s in stop) > max_stop_chars:
+        raise invalid("stop", f"stop sequences total {sum(len(s) for s in stop)} characters; at most "
+                              f"{max_stop_chars} are allowed")
+    top_k = -1 if req.top_k is None else req.top_k
+    if top_k >= 2**31:  # beyond any vocabulary: off (and it must fit the sampler's int64 tensor)
+        top_k = -1
+    params = SamplingParams(
+        max_tokens=max_tokens or 0,
+        min_tokens=min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=[t for t in req.stop_token_ids or [] if 0 <= t < 2**63],
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+        skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+        logit_bias=logit_bias(req),
+    )
+    return params, n
+
+
+def check_completion_prompt(prompt: str | list[int | str]) -> str | list[int]:
+    """A string, a list of token ids, or a list of exactly one string (for batches of prompts send
+    one request per prompt)."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if any(isinstance(t, str) for t in prompt):
+        raise APIError(400, "prompt must be a string, a list of token ids, or a list of one string "
+                            "(batches of several prompts are not supported)", param="prompt")
+    return prompt  # type: ignore[return-value]
