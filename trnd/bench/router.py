@@ -51,12 +51,16 @@ def start(model: str, policy: str, args, tmp: Path) -> tuple[subprocess.Popen, i
     log = open(tmp / f"{policy}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "trnd", "serve", "--config", str(cfg)], stdout=log,
                             stderr=subprocess.STDOUT)
-    wait_ready(port, [proc], timeout=600)
-    deadline = time.monotonic() + 300
-    while not all(t["healthy"] for t in httpx.get(f"http://127.0.0.1:{port}/admin/state").json()["peers"]):
-        if time.monotonic() > deadline:
-            raise RuntimeError("the decode servers never became healthy behind the router")
-        time.sleep(0.5)
+    try:
+        wait_ready(port, [proc], timeout=600)
+        deadline = time.monotonic() + 300
+        while not all(t["healthy"] for t in httpx.get(f"http://127.0.0.1:{port}/admin/state").json()["peers"]):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the decode servers never became healthy behind the router")
+            time.sleep(0.5)
+    except BaseException:  # never leave a deployment running behind a failed start
+        _stop([proc])
+        raise
     return proc, port, admin
 
 
