@@ -29,6 +29,12 @@ def tiny_qwen3(models_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_bf16(models_dir):
+    """A bf16 checkpoint: what the CPU-class tests load (fp32 compute on CPUs without native bf16)."""
+    return _make(models_dir, "tiny-qwen3-bf16", preset="tiny", arch="qwen3", seed=0, dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(models_dir):
     return _make(models_dir, "tiny-llama", preset="tiny", arch="llama", seed=1, dtype="float32", shards=2)
 

@@ -37,16 +37,6 @@ def capped(monkeypatch):
     cpuinfo.onednn_bf16_prepack.cache_clear()
 
 
-@pytest.fixture(scope="module")
-def tiny_bf16(models_dir):
-    from trnd.model.maker import make_model
-
-    path = models_dir / "tiny-qwen3-bf16"
-    if not path.exists():
-        make_model(path, preset="tiny", arch="qwen3", seed=0, dtype="bfloat16")
-    return path
-
-
 def test_avx2_cap_drops_avx512_and_native_bf16(capped):
     capped("avx2")
     info = cpuinfo.cpu_info()

@@ -111,6 +111,9 @@ def test_too_long_for_every_server_is_400_with_the_numbers(router):
 def test_bad_json_is_an_openai_400(router):
     r = httpx.post(f"http://127.0.0.1:{router}/v1/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past msgspec's nesting limit
+    r = httpx.post(f"http://127.0.0.1:{router}/v1/completions", content=deep, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
 def test_router_state_and_metrics(router):

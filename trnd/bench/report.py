@@ -22,15 +22,11 @@ SERVERS = {"trnd-agg": "trnd aggregated", "trnd-disagg": "trnd disaggregated", "
 
 
 def machine_facts() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
-    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
-                if ln.startswith("MemTotal")), 0)
     from kernels.cpuinfo import cpu_info
 
-    return {"nproc": os.cpu_count(), "cpu": cpu, "avx512_bf16": "avx512_bf16" in flags.split(),
-            "cpu_summary": cpu_info().summary(),
+    mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal")), 0)
+    return {"nproc": os.cpu_count(), "cpu": cpu_info().summary(),  # model, flags, ISA: kernels/cpuinfo.py
             "mem_gib": round(mem / 2**20, 1), "kernel": platform.release(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
@@ -155,7 +151,7 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          "between runs); compare the sides of one run, not across runs. The load generator runs on the same cores "
          "as the server it measures (for every server alike).",
          "",
-         f"- Machine: {facts['nproc']} cores ({facts.get('cpu_summary') or facts['cpu']}), "
+         f"- Machine: {facts['nproc']} cores ({facts['cpu']}), "
          f"{facts['mem_gib']} GiB RAM, Linux {facts['kernel']}; mean 1-minute load average while each server "
          "was up (it counts the server's and the load generator's own threads too, so 2-3 is this benchmark "
          "alone and more means other engineers' work competed): "

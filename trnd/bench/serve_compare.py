@@ -148,7 +148,7 @@ def main(args) -> int:
     info = {"model": model, "peer": peer_versions(peer_py), "torch": torch.__version__, "load": {}, "ready_s": {},
             "errors": [], "notes": [], "rounds": args.rounds}
     print(f"trnd bench serve-compare: {model}; servers {keys}; concurrency {concs}; {args.rounds} round(s); "
-          f"{ctx.threads} threads; results, logs and profiles in {out}\n  {facts['nproc']} cores, {facts['cpu_summary']}; "
+          f"{ctx.threads} threads; results, logs and profiles in {out}\n  {facts['nproc']} cores, {facts['cpu']}; "
           f"{info['peer']}", flush=True)
     runs: dict[str, dict[int, list[dict]]] = {}
     profiles: dict[str, dict] = {}

@@ -174,6 +174,8 @@ def _route(path: str):
             data = msgspec.json.decode(body)
         except msgspec.DecodeError as e:
             raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:  # msgspec's nesting limit: a 400 here too, never a 500 (api/server.py _decode)
+            raise APIError(400, "The request body is nested too deeply", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "The body must be a JSON object", code="invalid_json")
         # prompt_cache_key (OpenAI's name) stands for session_id, as on the servers (api/server.py)
