@@ -16,13 +16,14 @@ from functools import lru_cache
 
 import torch
 
-from kernels import TORCH_OPS, Ops, attention
+from kernels import TORCH_OPS, Ops, activation, attention, norm, rotary
 from kernels.cpuinfo import CpuInfo, cpu_info
 
 log = logging.getLogger("trnd.kernels")
 
 ENV = "TRND_CPU_KERNELS"  # "0" turns the compiled kernels off (to measure or bisect against the torch ops)
 MAX_HEAD_DIM = MAX_PAGE = 256  # csrc/attention.cpp's MAX_D, MAX_P
+MAX_ROW = 16384  # csrc/elementwise.cpp's MAX_ROW
 # Chunks up to this many query tokens go through the decode kernel (one row per query token); longer ones
 # to torch's flash kernel, which tiles the queries (measured in docs/RESULTS.md).
 PREFILL_MAX_Q = 8
@@ -65,6 +66,11 @@ def _register_fakes(name: str) -> None:
     torch.library.register_fake(f"{name}::decode_attention")(
         lambda q, kv, layer, pages, ctx, scale, split_pages, dpbf16: q.new_empty(q.shape))
     torch.library.register_fake(f"{name}::write_kv")(lambda kv, layer, k, v, page_ids, offsets: None)
+    torch.library.register_fake(f"{name}::rms_norm")(lambda x, w, eps: x.new_empty(x.shape))
+    torch.library.register_fake(f"{name}::add_rms_norm")(lambda x, r, w, eps: (x.new_empty(x.shape), x.new_empty(x.shape)))
+    torch.library.register_fake(f"{name}::apply_rotary")(lambda q, k, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
+    torch.library.register_fake(f"{name}::silu_and_mul")(
+        lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)))
 
 
 class CompiledOps:
@@ -77,6 +83,33 @@ class CompiledOps:
     def takes(q: torch.Tensor, kv: torch.Tensor) -> bool:
         return (q.device.type == "cpu" and q.dtype == kv.dtype and kv.dtype in (torch.float32, torch.bfloat16)
                 and kv.shape[5] % 16 == 0 and kv.shape[5] <= MAX_HEAD_DIM and kv.shape[4] <= MAX_PAGE)
+
+    @staticmethod
+    def rows(x: torch.Tensor, width: int) -> bool:
+        """An elementwise kernel takes it: CPU, fp32/bf16, rows a multiple of 16 wide (both builds' lanes)."""
+        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
+                and width % 16 == 0 and width <= MAX_ROW)
+
+    def rms_norm(self, x, weight, eps):
+        if not (self.rows(x, x.shape[-1]) and weight.dtype == x.dtype):
+            return norm.rms_norm(x, weight, eps)
+        return self.lib.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if not (self.rows(x, x.shape[-1]) and residual.dtype == weight.dtype == x.dtype):
+            return norm.add_rms_norm(x, residual, weight, eps)
+        return self.lib.add_rms_norm(x, residual, weight, eps)
+
+    def apply_rotary(self, q, k, cos, sin):
+        if not (q.dim() == 3 and self.rows(q, q.shape[-1] // 2) and k.stride(-1) == 1
+                and k.dtype == cos.dtype == sin.dtype == q.dtype):
+            return rotary.apply_rotary(q, k, cos, sin)
+        return self.lib.apply_rotary(q, k, cos, sin)
+
+    def silu_and_mul(self, gate_up):
+        if not (gate_up.dim() == 2 and self.rows(gate_up, gate_up.shape[-1] // 2)):
+            return activation.silu_and_mul(gate_up)
+        return self.lib.silu_and_mul(gate_up)
 
     def write_kv(self, kv, layer, k, v, meta) -> None:
         if not self.takes(k, kv):
@@ -107,7 +140,8 @@ def compiled(name: str, dpbf16: bool = False) -> Ops:
     if lib is None:
         raise RuntimeError(why)
     c = CompiledOps(lib, dpbf16)
-    return replace(TORCH_OPS, write_kv=c.write_kv, decode_attention=c.decode_attention,
+    return replace(TORCH_OPS, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, apply_rotary=c.apply_rotary,
+                   silu_and_mul=c.silu_and_mul, write_kv=c.write_kv, decode_attention=c.decode_attention,
                    prefill_attention=c.prefill_attention)
 
 

@@ -1,6 +1,6 @@
 """Build the compiled CPU kernels once, at install (`make venv` runs `python -m kernels.cpu.build`).
 
-One source (csrc/attention.cpp), one shared library per ISA level, each registering its ops in its own
+The sources (csrc/*.cpp), one shared library per ISA level, each registering its ops in its own
 namespace (torch.ops.trnd_avx2, torch.ops.trnd_avx512) so both can be loaded in one process (the tests
 compare them). The flags name ISA levels explicitly, never -march=native: a build made on an AVX-512 host
 must still run on an AVX2-only one. The AVX-512 build is made on every host (it only needs the compiler),
@@ -28,7 +28,7 @@ VARIANTS = {
     "trnd_avx2": ["-mavx2", "-mfma", "-mf16c"],
     "trnd_avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
-COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # no FMA not written as one
 
 
 def library_path(name: str) -> Path:
@@ -48,7 +48,7 @@ def build(name: str, verbose: bool = False) -> Path:
     out = BUILD / name
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name=name, sources=[str(SRC / "attention.cpp")], extra_include_paths=[str(SRC)],
+        name=name, sources=[str(SRC / "attention.cpp"), str(SRC / "elementwise.cpp")], extra_include_paths=[str(SRC)],
         extra_cflags=COMMON + VARIANTS[name] + [f"-DTRND_LIB={name}"], extra_ldflags=["-fopenmp"],
         build_directory=str(out), is_python_module=False, verbose=verbose)
     stamp_path(name).write_text(torch.__version__)

@@ -50,9 +50,10 @@ def _attention_path() -> str:
 
     ops = cpu_ops()
     if ops is TORCH_OPS:
-        return "torch ops (gather + SDPA)"
+        return "torch ops (gather + SDPA; RMSNorm, rotary, SiLU as torch ops)"
     c = ops.decode_attention.__self__
-    return f"compiled {c.lib.__name__}" + (" with dpbf16" if c.dpbf16 else "")
+    return f"compiled {c.lib.__name__}" + (" with dpbf16" if c.dpbf16 else "") + \
+        " (and RMSNorm, rotary, SiLU-and-mul)"
 
 
 def describe(dtype: str, why: str) -> str:

@@ -39,6 +39,19 @@ inline __m128 vquarter(vf x) {  // 4 partial sums of x
   __m256 h = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+// fp32 -> the nearest bf16 (ties to even), kept as an fp32 with the low 16 bits zero: what torch's bf16
+// ops round every result to, so a fused kernel can round where the torch reference's ops do.
+inline vf vround_bf16(vf x) {
+  __m512i b = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void vstore(bf16* p, vf x) {  // rounds to nearest even
+  __m512i b = _mm512_srli_epi32(_mm512_castps_si512(vround_bf16(x)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
+}
 #else
 constexpr int W = 8;
 using vf = __m256;
@@ -74,6 +87,18 @@ inline vf vpow2i(vf n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
 }
 inline __m128 vquarter(vf x) { return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vround_bf16(vf x) {
+  __m256i b = _mm256_castps_si256(x);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void vstore(bf16* p, vf x) {
+  __m256i b = _mm256_srli_epi32(_mm256_castps_si256(vround_bf16(x)), 16);
+  __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
 #endif
 
 // The sums of four vectors at once, [sum a, sum b, sum c, sum d]: cheaper than four horizontal sums.

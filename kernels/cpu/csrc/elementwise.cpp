@@ -1,0 +1,212 @@
+// The model's small elementwise ops, each one pass over its rows: RMSNorm, residual-add + RMSNorm, rotary,
+// SiLU-and-mul. Torch references: kernels/norm.py, kernels/rotary.py, kernels/activation.py (the oracles).
+//
+// Why: at decode batch sizes these tensors are a few KB, so the torch references cost their dispatch, not
+// their arithmetic: RMSNorm is eight ops (cast, pow, mean, add, rsqrt, mul, cast, mul), rotary eleven, and a
+// step of the 12-layer model ran ~300 of them. Each kernel here is one op and one pass.
+//
+// Rounding: bf16 results are rounded where the torch reference rounds (after each op it runs in bf16: the
+// products and the sum of rotary, the normalized value before the weight multiply, SiLU before the multiply),
+// so the kernels give the reference's values up to the order of the RMSNorm sum and exp's last ulp. fp32
+// math is done op by op as in the reference (no FMA contraction: the file is built with -ffp-contract=off).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "vec.h"
+
+namespace trnd {
+namespace {
+
+constexpr int64_t MAX_ROW = 16384;  // the widest row (hidden size) the kernels take; wider falls back
+
+template <typename T>
+inline vf rnd(vf x) {  // the rounding a torch op on T applies to its fp32 result
+  if constexpr (std::is_same_v<T, bf16>) return vround_bf16(x);
+  else return x;
+}
+
+// Rows worth splitting across threads: below this many elements a parallel region costs more than it saves.
+constexpr int64_t PARALLEL_MIN = 1 << 15;
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, name, ": want unit stride in the last dim");
+  TORCH_CHECK(x.size(-1) % W == 0 && x.size(-1) <= MAX_ROW, name, ": last dim ", x.size(-1), " must be a multiple of ",
+              W, " and <= ", MAX_ROW);
+}
+
+// out = w * round(x * rsqrt(mean(x^2) + eps)) over one row of D; x already in fp32 (rounded to T).
+template <typename T>
+inline void norm_row(const float* x, const T* w, T* out, int64_t D, float eps) {
+  vf acc = vzero();
+  for (int64_t c = 0; c < D; c += W) {
+    vf v = vload(x + c);
+    acc = vfma(v, v, acc);
+  }
+  const float inv = 1.0f / std::sqrt(vsum(acc) / static_cast<float>(D) + eps);
+  const vf vi = vset(inv);
+  for (int64_t c = 0; c < D; c += W) vstore(out + c, rnd<T>(vmul(vload(w + c), rnd<T>(vmul(vload(x + c), vi)))));
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  const T* xs = x.data_ptr<T>();
+  const T* ws = w.data_ptr<T>();
+  T* os = out.data_ptr<T>();
+#pragma omp parallel for if (rows * D >= PARALLEL_MIN)
+  for (int64_t r = 0; r < rows; ++r) {
+    alignas(64) float h[MAX_ROW];
+    for (int64_t c = 0; c < D; c += W) vstore(h + c, vload(xs + r * D + c));
+    norm_row<T>(h, ws, os + r * D, D, static_cast<float>(eps));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
+  const at::Tensor x = x_.contiguous();
+  check_rows(x, "x");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == x.size(-1) && w.is_contiguous(),
+              "weight: want contiguous [", x.size(-1), "] of ", x.scalar_type());
+  at::Tensor out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, w, out, eps);
+  else rms_norm_impl<bf16>(x, w, out, eps);
+  return out;
+}
+
+template <typename T>
+void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& res, const at::Tensor& w, at::Tensor& out,
+                       at::Tensor& new_res, double eps) {
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  const T* xs = x.data_ptr<T>();
+  const T* rs = res.data_ptr<T>();
+  const T* ws = w.data_ptr<T>();
+  T* os = out.data_ptr<T>();
+  T* ns = new_res.data_ptr<T>();
+#pragma omp parallel for if (rows * D >= PARALLEL_MIN)
+  for (int64_t r = 0; r < rows; ++r) {
+    alignas(64) float h[MAX_ROW];
+    for (int64_t c = 0; c < D; c += W) {
+      vf s = rnd<T>(vadd(vload(xs + r * D + c), vload(rs + r * D + c)));
+      vstore(h + c, s);
+      vstore(ns + r * D + c, s);
+    }
+    norm_row<T>(h, ws, os + r * D, D, static_cast<float>(eps));
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_, const at::Tensor& res_, const at::Tensor& w,
+                                                double eps) {
+  const at::Tensor x = x_.contiguous(), res = res_.contiguous();
+  check_rows(x, "x");
+  TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == x.scalar_type(), "residual: want ", x.sizes(), " of ",
+              x.scalar_type(), ", got ", res.sizes(), " of ", res.scalar_type());
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == x.size(-1) && w.is_contiguous(),
+              "weight: want contiguous [", x.size(-1), "] of ", x.scalar_type());
+  at::Tensor out = at::empty_like(x), new_res = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) add_rms_norm_impl<float>(x, res, w, out, new_res, eps);
+  else add_rms_norm_impl<bf16>(x, res, w, out, new_res, eps);
+  return {out, new_res};
+}
+
+// One head row, "rotate half" layout: out[i] = x[i] c[i] - x[i+h] s[i], out[i+h] = x[i+h] c[i+h] + x[i] s[i+h].
+template <typename T>
+inline void rotate_row(const T* x, const T* c, const T* s, T* out, int64_t half) {
+  for (int64_t i = 0; i < half; i += W) {
+    vf x1 = vload(x + i), x2 = vload(x + half + i);
+    vf c1 = vload(c + i), c2 = vload(c + half + i), s1 = vload(s + i), s2 = vload(s + half + i);
+    vstore(out + i, rnd<T>(vsub(rnd<T>(vmul(x1, c1)), rnd<T>(vmul(x2, s1)))));
+    vstore(out + half + i, rnd<T>(vadd(rnd<T>(vmul(x2, c2)), rnd<T>(vmul(x1, s2)))));
+  }
+}
+
+template <typename T>
+void rotary_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t Tn = x.size(0), H = x.size(1), D = x.size(2), x0 = x.stride(0), x1 = x.stride(1);
+  const T* xs = x.data_ptr<T>();
+  const T* cs = cos.data_ptr<T>();
+  const T* ss = sin.data_ptr<T>();
+  T* os = out.data_ptr<T>();
+#pragma omp parallel for if (Tn * H * D >= PARALLEL_MIN)
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t h = 0; h < H; ++h) rotate_row<T>(xs + t * x0 + h * x1, cs + t * D, ss + t * D, os + (t * H + h) * D, D / 2);
+}
+
+void check_head_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, name, ": want [T, heads, head_dim] with unit stride in head_dim, got ",
+              x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16");
+  TORCH_CHECK(x.size(2) % (2 * W) == 0, name, ": head_dim ", x.size(2), " must be a multiple of ", 2 * W);
+}
+
+std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_,
+                                                const at::Tensor& sin_) {
+  check_head_rows(q, "q");
+  check_head_rows(k, "k");
+  const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type(),
+              "k: want [", q.size(0), ", heads, ", q.size(2), "] of ", q.scalar_type());
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(2) && t->scalar_type() == q.scalar_type(),
+                "cos, sin: want [", q.size(0), ", ", q.size(2), "] of ", q.scalar_type(), ", got ", t->sizes());
+  at::Tensor qo = at::empty(q.sizes(), q.options()), ko = at::empty(k.sizes(), k.options());
+  if (q.scalar_type() == at::kFloat) {
+    rotary_impl<float>(q, cos, sin, qo);
+    rotary_impl<float>(k, cos, sin, ko);
+  } else {
+    rotary_impl<bf16>(q, cos, sin, qo);
+    rotary_impl<bf16>(k, cos, sin, ko);
+  }
+  return {qo, ko};
+}
+
+// out = round(silu(gate)) * up, gate|up the two halves of each row; silu(g) = g / (1 + exp(-g)).
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), I = out.size(1), xs0 = x.stride(0);
+  const T* xs = x.data_ptr<T>();
+  T* os = out.data_ptr<T>();
+  const vf one = vset(1.0f), zero = vzero();
+#pragma omp parallel for if (rows * I >= PARALLEL_MIN)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = xs + r * xs0;
+    for (int64_t i = 0; i < I; i += W) {
+      vf gv = vload(g + i);
+      vf silu = rnd<T>(vdiv(gv, vadd(one, vexp(vsub(zero, gv)))));
+      vstore(os + r * I + i, rnd<T>(vmul(silu, vload(g + I + i))));
+    }
+  }
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "gate_up");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % (2 * W) == 0, "gate_up: want [T, 2 * I] with I a multiple of ", W,
+              ", got ", x.sizes());
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(x, out);
+  else silu_and_mul_impl<bf16>(x, out);
+  return out;
+}
+
+}  // namespace
+}  // namespace trnd
+
+#define TRND_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define TRND_FRAGMENT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+TRND_FRAGMENT(TRND_LIB, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("apply_rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+}
+
+TRND_FRAGMENT_IMPL(TRND_LIB, CPU, m) {
+  m.impl("rms_norm", &trnd::rms_norm);
+  m.impl("add_rms_norm", &trnd::add_rms_norm);
+  m.impl("apply_rotary", &trnd::apply_rotary);
+  m.impl("silu_and_mul", &trnd::silu_and_mul);
+}
