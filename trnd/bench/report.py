@@ -27,7 +27,7 @@ def machine_facts() -> dict:
     mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith("MemTotal")), 0)
     return {"nproc": os.cpu_count(), "cpu": cpu_info().summary(),  # model, flags, ISA: kernels/cpuinfo.py
-            "mem_gib": round(mem / 2**20, 1), "kernel": platform.release(),
+            "mem_gib": round(mem / 2**20, 1), "kernel": platform.release(), "nice": os.nice(0),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
@@ -156,7 +156,10 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          "was up (it counts the server's and the load generator's own threads too, so 2-3 is this benchmark "
          "alone and more means other engineers' work competed): "
          + ", ".join(f"{SERVERS[k]} {' / '.join(v)}" for k, v in info["load"].items())
-         + (" (round 1 / round 2 / ...)" if info["rounds"] > 1 else "") + ".",
+         + (" (round 1 / round 2 / ...)" if info["rounds"] > 1 else "") + "."
+         + (f" The whole run (every server, its children and the load generator alike) ran at niceness "
+            f"{facts['nice']}, so the other work on the shared cores took little from whichever server was measured."
+            if facts["nice"] else ""),
          f"- Model: `small` preset ({info['model']}), ~100M parameters, Qwen3 architecture, random weights, bf16.",
          f"- Workload: random dataset, {a.input_len} input / {a.output_len} output tokens (range ratio 0), "
          f"{a.num_prompts} prompts per concurrency, ignore_eos, temperature 0, seed 0, {a.warmups} warm-up "

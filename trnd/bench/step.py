@@ -1,10 +1,11 @@
-"""One decode step of the model, the torch ops against the compiled CPU kernels, interleaved in one process.
+"""One decode step of the model: the torch ops, the compiled attention alone, and every compiled kernel,
+interleaved in one process.
 
     python -m trnd.bench.step [--model small] [--batch 1 16] [--ctx 576 1024] [--dtype bfloat16 float32]
 
-The two tables (kernels.TORCH_OPS and kernels.cpu.cpu_ops()) are swapped into the same loaded model and
-timed in alternation, A B A B ..., so load from other work on the shared cores falls on both alike; each
-figure is the fastest step of --iters. The step is ModelRunner.forward on a decode batch of B sequences
+The three tables (kernels.TORCH_OPS; cpu_ops() with the torch RMSNorm, rotary and SiLU; kernels.cpu.cpu_ops())
+are swapped into the same loaded model and timed in alternation, A B C A B C ..., so load from other work on
+the shared cores falls on all alike; each figure is the fastest step of --iters. The step is ModelRunner.forward on a decode batch of B sequences
 with ctx tokens of context each (their pages scattered over the pool), as the engine runs it (linears
 prepacked as the eager CPU engine loads them).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 
@@ -43,9 +45,13 @@ def main(argv=None) -> int:
     compiled = cpu_ops()
     if compiled is TORCH_OPS:
         raise SystemExit("the compiled CPU kernels are not in use here (see the log line above): nothing to compare")
+    attention_only = replace(compiled, rms_norm=TORCH_OPS.rms_norm, add_rms_norm=TORCH_OPS.add_rms_norm,
+                             apply_rotary=TORCH_OPS.apply_rotary, silu_and_mul=TORCH_OPS.silu_and_mul)
+    variants = (("torch", TORCH_OPS), ("attention", attention_only), ("compiled", compiled))
     print(f"CPU: {cpu_info().summary()}; torch threads {torch.get_num_threads()}")
-    print("| dtype | batch | ctx | torch ops ms | compiled ms | x |")
-    print("|---|---|---|---:|---:|---:|")
+    print("| dtype | batch | ctx | torch ops ms | compiled attention ms | all compiled ms | torch / all | "
+          "attention / all |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     path = resolve_model(a.model)
     for dname in a.dtype:
         model, cfg = load_model(path, dname, prepack=True)  # as the engine loads it on the CPU
@@ -59,18 +65,19 @@ def main(argv=None) -> int:
                 x = StepInputs(ids=[7] * b, positions=[ctx] * b,
                                page_ids=[t[ctx // a.page] for t in tables], offsets=[ctx % a.page] * b,
                                decode_pages=tables, decode_ctx=[ctx + 1] * b, prefill=[], sample_rows=list(range(b)))
-                best = {"torch": float("inf"), "compiled": float("inf")}
+                best = {name: float("inf") for name, _ in variants}
                 outs = {}
                 for i in range(a.iters + 1):
-                    for name, ops in (("torch", TORCH_OPS), ("compiled", compiled)):
+                    for name, ops in variants:
                         _swap(model, ops)
                         t = time.perf_counter()
                         outs[name] = runner.forward(x)
                         if i:  # the first round warms up
                             best[name] = min(best[name], time.perf_counter() - t)
                 agree = (outs["torch"].argmax(-1) == outs["compiled"].argmax(-1)).float().mean().item()
-                print(f"| {dname} | {b} | {ctx} | {best['torch'] * 1e3:.1f} | {best['compiled'] * 1e3:.1f} | "
-                      f"{best['torch'] / best['compiled']:.2f} |  (argmax agrees on {agree:.0%} of rows)")
+                print(f"| {dname} | {b} | {ctx} | {best['torch'] * 1e3:.1f} | {best['attention'] * 1e3:.1f} | "
+                      f"{best['compiled'] * 1e3:.1f} | {best['torch'] / best['compiled']:.2f} | "
+                      f"{best['attention'] / best['compiled']:.2f} |  (argmax agrees on {agree:.0%} of rows)")
         del model
     return 0
 
