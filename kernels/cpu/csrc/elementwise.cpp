@@ -52,26 +52,32 @@ inline void norm_row(const float* x, const T* w, T* out, int64_t D, float eps) {
   for (int64_t c = 0; c < D; c += W) vstore(out + c, rnd<T>(vmul(vload(w + c), rnd<T>(vmul(vload(x + c), vi)))));
 }
 
+// Rows of x as [outer, inner, D] with strides (s0, s1, 1): a contiguous tensor, or Qwen3's q/k heads as
+// views into the fused qkv projection ([T, heads, head_dim], rows 1280 apart), normalized without a copy.
 template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
   const int64_t D = x.size(-1), rows = x.numel() / D;
+  const bool heads = x.dim() == 3;
+  const int64_t inner = heads ? x.size(1) : 1, s0 = heads ? x.stride(0) : D, s1 = heads ? x.stride(1) : D;
   const T* xs = x.data_ptr<T>();
   const T* ws = w.data_ptr<T>();
   T* os = out.data_ptr<T>();
 #pragma omp parallel for if (rows * D >= PARALLEL_MIN)
   for (int64_t r = 0; r < rows; ++r) {
     alignas(64) float h[MAX_ROW];
-    for (int64_t c = 0; c < D; c += W) vstore(h + c, vload(xs + r * D + c));
+    const T* xr = xs + (r / inner) * s0 + (r % inner) * s1;
+    for (int64_t c = 0; c < D; c += W) vstore(h + c, vload(xr + c));
     norm_row<T>(h, ws, os + r * D, D, static_cast<float>(eps));
   }
 }
 
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
-  const at::Tensor x = x_.contiguous();
+  const bool strided_heads = x_.dim() == 3 && x_.stride(2) == 1 && x_.stride(1) >= x_.size(2);
+  const at::Tensor x = strided_heads ? x_ : x_.contiguous();
   check_rows(x, "x");
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == x.size(-1) && w.is_contiguous(),
               "weight: want contiguous [", x.size(-1), "] of ", x.scalar_type());
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, w, out, eps);
   else rms_norm_impl<bf16>(x, w, out, eps);
   return out;
