@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from trnd import snapshot as S
 from trnd.engine.loop import EngineLoop
@@ -59,6 +61,13 @@ class Metrics:
         self.tier_evicted = Gauge("trnd:kv_tier_evicted_pages_total", "Pages a tier dropped.", tl, registry=r)
         self.tier_load_ms = Gauge("trnd:kv_tier_load_latency_ms_p50", "Median load latency of a tier (the latest 256 loads).", tl,
                                   registry=r)
+        self.cached_by_source = Counter("trnd:prompt_tokens_cached", "Prompt tokens of finished requests whose KV was "
+                                        "found, not computed, by source: device (this server's prefix cache), host "
+                                        "(L2), remote (L3 store), prefill (a prefill peer's prefix cache).",
+                                        lbl + ["source"], registry=r)
+        self.last: S.State | None = None  # the engine's State at the latest scrape (the cumulative counters below)
+        self.role_stats: Callable[[], dict] | None = None  # a role's cumulative counters (prefill: its requests)
+        r.register(_EngineCounters(self))
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)  # export zeros so rate() works from the first scrape
 
@@ -74,12 +83,23 @@ class Metrics:
             pass  # a stuck loop: /health reports it; the counters are still worth serving
         else:
             m = self.model_name
+            self.last = st
             self.running.labels(m).set(len(st.running or []))
             self.waiting.labels(m).set(len(st.waiting or []))
             pg, rad = st.pages, st.radix
             self.kv_usage.labels(m).set((pg.total - pg.free - rad.evictable_pages) / max(1, pg.total))
             self._tiers(m, st.tiers)
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + loop.engine.xfer_metrics.render()
+
+    def count_finished(self, out: StepOutput) -> None:
+        """One finished request's token counts (and a prefill role's, which has no RequestTracker)."""
+        m = self.model_name
+        self.success.labels(m, out.finish_reason or "abort").inc()
+        self.prompt_tokens.labels(m).inc(out.prompt_tokens)
+        self.cache_queries.labels(m).inc(out.prompt_tokens)
+        self.cache_hits.labels(m).inc(out.cached_tokens)
+        for src, n in (out.cached_from or {}).items():
+            self.cached_by_source.labels(m, src).inc(n)
 
     def _tiers(self, m: str, tiers: S.Tiers | None) -> None:
         host = tiers and tiers.host
@@ -124,13 +144,36 @@ class RequestTracker:
         if out.finished:
             self.done = True
             m.e2e.labels(name).observe(now - self.arrival)
-            m.success.labels(name, out.finish_reason or "abort").inc()
-            m.prompt_tokens.labels(name).inc(out.prompt_tokens)
-            m.cache_queries.labels(name).inc(out.prompt_tokens)
-            m.cache_hits.labels(name).inc(out.cached_tokens)
+            m.count_finished(out)
 
     def gone(self) -> None:
         """The client left (or the request failed) before the engine finished it."""
         if not self.done:
             self.done = True
             self.m.success.labels(self.m.model_name, "abort").inc()
+
+
+class _EngineCounters:
+    """The engine's own cumulative counts (EngineStats, a role's counters), read from the State the
+    latest scrape fetched: exported as counters, which prometheus_client only allows from a collector."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def collect(self):
+        st, m = self.m.last, self.m.model_name
+        stats = st.stats if st is not None and st.stats is not None else S.Stats()
+        for name, doc, v in (("trnd:num_preemptions", "Requests preempted (KV released, recomputed later).",
+                              stats.preemptions),
+                             ("trnd:prefill_tokens", "Prompt tokens computed (cache hits excluded).", stats.prefill_tokens),
+                             ("trnd:engine_requests_finished", "Requests the engine finished.", stats.finished),
+                             ("trnd:engine_requests_aborted", "Requests the engine aborted.", stats.aborted)):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([m], v)
+            yield c
+        role = self.m.role_stats() if self.m.role_stats is not None else {}
+        for key, v in role.items():
+            c = CounterMetricFamily(f"trnd:{key}", f"{key.replace('_', ' ')} (the role's counter).",
+                                    labels=["model_name"])
+            c.add_metric([m], v)
+            yield c

@@ -160,6 +160,7 @@ class Job:
         self.st, self.kind, self.ids, self.n = st, kind, ids, n
         self.plan = plan or ChatPlan()
         self.session_id, self.stream, self.include_usage = session_id, stream, include_usage
+        self.session = session_id or user  # what the per-request log line and /admin/state call its session
         self.prompt_param = prompt_param
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -221,7 +222,7 @@ class Job:
         """(choice index, StepOutput) of all n engine requests, as they come; registered for
         /admin/abort/{id} while running. Closing this closes (so aborts) every engine request."""
         loop = self.st.loop
-        gens = [loop.generate(self.ids, p, rid, self.session_id) for p, rid in zip(self.params, self.rids)]
+        gens = [loop.generate(self.ids, p, rid, self.session) for p, rid in zip(self.params, self.rids)]
         self.st.active[self.id] = self.rids
         try:
             async with contextlib.aclosing(merge(gens)) as it:

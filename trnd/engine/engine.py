@@ -25,13 +25,14 @@ from trnd.backends import get_backend, resolve_dtype
 from trnd.backends.cpu import cpu_paths, describe
 from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes, prepare
 from trnd.engine.sampler import SampleOut, Sampler
-from trnd.engine import state
+from trnd.engine import state, trace
 from trnd.engine.parked import Parked
 from trnd.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from trnd.model.config import ModelConfig, fingerprint
 from trnd.model.loader import load_model
 from trnd.model.tokenizer import Tokenizer
 from trnd.parallel import TPGroup
+from trnd.transfer.metrics import TransferMetrics
 
 log = logging.getLogger("trnd.engine")
 
@@ -143,6 +144,9 @@ class Engine:
             self.runner = StaticRunner(self.model, mc, self.pools[0], point, self.scratch_page)
         else:
             self.runner = ModelRunner(self.model, mc, self.pools[0])
+        # Per-peer transfer metrics of this process (transfer/metrics.py): the store client's reads and
+        # writes, the roles' KV handoffs; /metrics renders them with the rest (api/metrics.py).
+        self.xfer_metrics = TransferMetrics()
         self.tiers = self._make_tiers()
         self.scheduler.tiers = self.tiers
         if self.workers:
@@ -206,7 +210,7 @@ class Engine:
                 raise ValueError("store: a remote KV store needs the control-plane secret (secret_file)")
             remote = StoreClient(cfg.store, cfg.store_secret, self.kv_agent(), self.layout(), self.pools,
                                  self.namespace, dtype=self.runner.kv_dtype,
-                                 deadline_s=cfg.store_deadline_s)
+                                 deadline_s=cfg.store_deadline_s, metrics=self.xfer_metrics)
         return Tiers(self.radix, self.pool, cfg.page_size, self.namespace, host, cfg.host_policy, remote,
                      cfg.store_on_finish)
 
@@ -242,6 +246,7 @@ class Engine:
         self.streams[req.rid] = OutputStream(self.tokenizer, req)
         self.scheduler.add(req)
         self.stats.prompt_tokens += req.num_prompt
+        trace.phase(req, f"queued: {req.num_prompt} prompt tokens, max_tokens={params.max_tokens}")
         return req
 
     def take_prompt_kv_from(self, start: Callable[[Req], Parked]) -> None:
@@ -264,6 +269,7 @@ class Engine:
             return None
         self.scheduler.finish(req, "abort")  # a parked request keeps its pages until its source is done
         self.stats.aborted += 1
+        trace.finished(req, "abort")
         return self.streams.pop(rid).finish(req)
 
     @property
@@ -285,6 +291,7 @@ class Engine:
         for req, error in batch.failed:
             self.streams.pop(req.rid, None)
             self.failures.append((req.rid, error))
+            trace.finished(req, "error", error)
         self.idle_step = batch.empty and not arrived and not batch.failed
         if batch.empty:
             return arrived
@@ -312,6 +319,8 @@ class Engine:
             if req.num_computed == req.num_cached and req.num_output == 0:
                 self.stats.cached_tokens += req.num_cached
                 self.stats.loaded_tokens += req.num_loaded
+                trace.phase(req, f"prefill start: {req.num_prompt - req.num_cached} tokens to compute after "
+                                 f"{req.num_cached} cached")
             req.num_computed += n
             self.stats.prefill_tokens += n
         samples = self.sampler.sample(logits, sampled) if sampled else []
@@ -327,6 +336,7 @@ class Engine:
             req.output_logprobs.append((s.logprob, s.top_logprobs or []))
         if req.first_token_time is None:
             req.first_token_time = now
+            trace.phase(req, "first token")
         req.last_token_time = now
         self.stats.generation_tokens += 1
         stream = self.streams[req.rid]
@@ -335,6 +345,7 @@ class Engine:
             return stream.take(req)
         self.scheduler.finish(req, reason)
         self.stats.finished += 1
+        trace.finished(req, reason)
         self.streams.pop(req.rid)
         return stream.finish(req)
 

@@ -28,6 +28,7 @@ class StepOutput(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cached_from: dict[str, int] | None = None  # cached_tokens by source (Req.cached_from), on the last one
 
 
 class OutputStream:
@@ -51,7 +52,7 @@ class OutputStream:
     def take(self, req: Req, finished: bool = False) -> StepOutput:
         out = StepOutput(req.rid, self._tokens, "".join(self._text), self._logprobs if self.want_logprobs else None,
                          finished, req.finish_reason if finished else None, req.num_prompt, req.num_output,
-                         req.num_cached)
+                         req.cached_tokens, dict(req.cached_from) if finished else None)
         self._tokens, self._text, self._logprobs = [], [], []
         return out
 

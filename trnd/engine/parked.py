@@ -23,6 +23,8 @@ class Landing:
     pages: list[int] = field(default_factory=list)  # pages now holding the KV after req.pages (a tier load)
     first: object = None  # SampleOut: the first token, sampled by a prefill peer (the prompt's KV is all in)
     computed_tokens: int = 0  # prompt tokens a peer computed (engine stats)
+    cached_from: dict[str, int] = field(default_factory=dict)  # a peer's cache hits beyond ours (Req.cached_from)
+    received: int = 0  # prompt tokens whose KV a peer wrote here
     retry: bool = False  # back to the queue with nothing cached (another peer, or computed here)
     error: BaseException | None = None  # the request fails with this (503: engine/loop.py Unavailable)
 

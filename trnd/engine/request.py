@@ -42,6 +42,12 @@ class Req:
         self.num_computed = 0
         self.num_locked_pages = 0  # leading pages borrowed from the radix cache (locked there)
         self.num_loaded = 0  # of num_cached: tokens loaded from a lower tier (host L2, remote L3)
+        # What usage.prompt_tokens_details.cached_tokens counts, by source: device (this radix cache), host
+        # (L2), remote (L3), prefill (a prefill peer's radix cache). Set at admission until the request is
+        # preempted or has a token (a recompute after that is not a cache hit the client sees).
+        self.cached_from: dict[str, int] = {}
+        self.loaded_from: dict[str, int] = {}  # tokens this engine's own tiers loaded back (host, remote)
+        self.received = 0  # prompt tokens whose KV a prefill peer wrote into this engine's pages (decode)
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.handoffs = 0  # times its prompt KV was asked of a prefill peer (decode: retries on a lost peer)
@@ -62,6 +68,15 @@ class Req:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached_from.values())
+
+    @property
+    def usage_open(self) -> bool:
+        """cached_from still follows admissions (no token yet, never preempted)."""
+        return self.num_output == 0 and self.num_preemptions == 0
 
     @property
     def num_output(self) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trnd.cache.pages import PagePool
+from trnd.engine import trace
 from trnd.cache.radix import RadixCache
 from trnd.engine.parked import Landing, Parked, TierLoad, ask_remote, load_host
 from trnd.engine.request import Req, Status
@@ -189,6 +190,8 @@ class Scheduler:
                 req.pages = list(m.pages)
                 req.num_locked_pages = len(m.pages)
             req.num_cached = req.num_computed = m.num_tokens
+            if req.usage_open:
+                req.cached_from = {"device": m.num_tokens} if m.num_tokens else {}
             if self.tiers is not None and (self._park(load_host(req, self.tiers, self.pool, self._reserve))
                                            or (not whole and self._ask_remote(req))):
                 return None
@@ -223,6 +226,12 @@ class Scheduler:
             req.pages += got.pages
             req.num_cached = req.num_computed = req.num_computed + len(got.pages) * self.cfg.page_size
             req.num_loaded += len(got.pages) * self.cfg.page_size
+            if got.pages and isinstance(job, TierLoad):
+                n = len(got.pages) * self.cfg.page_size
+                req.loaded_from[job.tier] = req.loaded_from.get(job.tier, 0) + n
+                if req.usage_open:
+                    req.cached_from[job.tier] = req.cached_from.get(job.tier, 0) + n
+                trace.phase(req, f"{n} tokens loaded from {job.tier}")
             if job.aborted:
                 self._release(req)
             elif got.error is not None:
@@ -232,10 +241,15 @@ class Scheduler:
             elif got.retry:
                 self._release(req)
                 req.num_cached = 0
+                if req.usage_open:
+                    req.cached_from = {}
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
             elif got.first is not None:
                 req.num_computed = req.num_prompt
+                for src, n in got.cached_from.items():
+                    req.cached_from[src] = req.cached_from.get(src, 0) + n
+                req.received = got.received
                 req.status = Status.RUNNING
                 self.running.append(req)
                 batch.arrived.append((req, got))
@@ -257,6 +271,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
+        trace.phase(req, f"preempted (KV of {req.num_tokens} tokens to be recomputed)")
 
     def _release(self, req: Req) -> None:
         if req.pages and self.cfg.prefix_cache:

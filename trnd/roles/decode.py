@@ -19,6 +19,7 @@ import msgspec
 
 from trnd import snapshot as S
 from trnd.config import DecodeConfig
+from trnd.engine import trace
 from trnd.engine.loop import DeadlineExceeded, EngineLoop, Unavailable
 from trnd.engine.parked import Landing, Parked
 from trnd.engine.request import Req
@@ -65,6 +66,19 @@ class FromPrefill(Parked):
         return self.server.landing(self, self.server.awaited.forget(self.req.rid))
 
 
+def peer_hits(peer: dict[str, int], ours: int) -> dict[str, int]:
+    """The part of a prefill peer's cache hits (device, then host, then remote, along the prompt) that lies
+    beyond the `ours` prompt tokens this server held itself: what the peer adds to cached_tokens (its
+    device hits count as "prefill"). Both are prefixes of one prompt, so cached_tokens is the longer one."""
+    out, pos = {}, 0
+    for src in ("device", "host", "remote"):
+        n = peer.get(src, 0)
+        if pos + n > max(pos, ours):
+            out["prefill" if src == "device" else src] = pos + n - max(pos, ours)
+        pos += n
+    return out
+
+
 class DecodeServer:
     def __init__(self, cfg: DecodeConfig, model_dir, model_name: str):
         self.cfg = cfg
@@ -79,6 +93,7 @@ class DecodeServer:
         self.loop = EngineLoop(self.engine, cfg.max_requests, poll=self._poll)
         self.peers = [PrefillPeer(a) for a in cfg.prefill]
         self.awaited = Awaited()  # every request a peer is writing KV for (transfer/handoff.py)
+        self.xfer_metrics = self.engine.xfer_metrics  # per prefill peer: op kv_receive (handoff sent -> KV landed)
         self.aio: asyncio.AbstractEventLoop | None = None
         self.stats = {"handoffs": 0, "retried": 0, "failed": 0, "fenced": 0, "timed_out": 0,
                       "kv_pages_received": 0, "kv_bytes_received": 0}
@@ -231,8 +246,11 @@ class DecodeServer:
         now, timeout = time.monotonic(), self.cfg.handoff_timeout_s
         self.awaited.expect(req.rid, peer.addr, req.pages[skip:], now, now + timeout)
         self.stats["handoffs"] += 1
+        self.xfer_metrics.start("kv_receive", peer.addr, key=req.rid)
         self._send(peer, P.PrefillReq(req.rid, req.prompt_ids, req.params, skip, req.pages[skip:],
-                                      expires=time.time() + timeout))
+                                      expires=time.time() + timeout, session=req.session_id))
+        trace.phase(req, f"handed to prefill {peer.addr}: {req.num_prompt - req.num_cached} tokens to write, "
+                         f"{req.num_cached} held here")
         return FromPrefill(self, req)
 
     def landing(self, job: FromPrefill, a) -> Landing:
@@ -241,12 +259,19 @@ class DecodeServer:
         if job.error is not None:
             return Landing(error=job.error)
         if a is None or job.aborted or a.over == "aborted":
+            self.xfer_metrics.end("kv_receive", ok=None, key=req.rid)
             return Landing()  # released by the scheduler: nothing can land any more
-        if a.over is None:
+        ok = a.over is None
+        self.xfer_metrics.end("kv_receive", nbytes=len(a.target) * self.engine.runner.page_bytes * self.engine.tp.size
+                              if ok else 0, ok=ok, key=req.rid)
+        if ok:
             m = a.done
+            trace.phase(req, f"KV received from {a.peer}: {req.num_prompt - req.num_cached} tokens written, "
+                             f"{m.computed_tokens} computed there, its cache hits {m.cached_from}")
             self.stats["kv_pages_received"] += len(a.target)
             self.stats["kv_bytes_received"] += len(a.target) * self.engine.runner.page_bytes
-            return Landing(first=SampleOut(m.token, m.logprob, m.top_logprobs), computed_tokens=m.computed_tokens)
+            return Landing(first=SampleOut(m.token, m.logprob, m.top_logprobs), computed_tokens=m.computed_tokens,
+                           cached_from=peer_hits(m.cached_from, req.num_cached), received=req.num_prompt - req.num_cached)
         if a.over == "lost":  # its target pages are in quarantine (held); retry elsewhere or fail
             if req.handoffs <= self.cfg.prefill_retries and self._pick() is not None:
                 self.stats["retried"] += 1
@@ -331,6 +356,8 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
         life.loop = server.loop
         app = build_app(server.loop, cfg, name, server.state_extra)
         st = app.state.trnd
+        st.metrics.role_stats = lambda: {f"decode_{k}": server.stats[k] for k in
+                                         ("handoffs", "retried", "failed", "timed_out", "fenced")}
         st.ready_fn = lambda: server.ready
         http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, cfg)
 

@@ -66,6 +66,8 @@ class PrefillServer:
         self._ids = itertools.count(1)
         self.aio: asyncio.AbstractEventLoop | None = None
         # post_ms: time inside NIXL's post call; xfer_ms: post to completion seen, summed over transfers
+        self.xfer_metrics = self.engine.xfer_metrics  # per decode agent: op kv_write
+        self.metrics = None  # api/metrics.py Metrics of the admin app: each prefill's end is counted there
         self.stats = {"requests": 0, "xfers": 0, "bytes": 0, "post_ms": 0.0, "xfer_ms": 0.0, "failed": 0,
                       "aborted": 0, "refused": 0, "unauthenticated": 0}
 
@@ -193,7 +195,7 @@ class PrefillServer:
             return
         params = msgspec.structs.replace(m.params, max_tokens=1, stop=[])
         try:
-            self.engine.add(m.prompt_ids, params, rid=local)
+            self.engine.add(m.prompt_ids, params, rid=local, session_id=m.session)
         except (LengthError, ValueError) as e:
             self._send(peer, P.PrefillFailed(m.rid, str(e)))
             return
@@ -235,10 +237,13 @@ class PrefillServer:
                 self._fail(req.rid, h, str(e))
                 continue
             self.stats["post_ms"] += (time.monotonic() - t0) * 1e3
+            self.xfer_metrics.start("kv_write", peer.agent_name)
             self.engine.hold(src)  # until the transfer is done, whatever happens to the request
             Shipped.shipped(h, idx, Xfer(handle, src, int(dd[:, 1].sum()), t0))
 
     def _on_output(self, out: StepOutput) -> None:
+        if out.finished and self.metrics is not None:
+            self.metrics.count_finished(out)
         h = self.handoffs.get(out.rid)
         if h is None or not out.finished or h.aborted:
             return
@@ -247,7 +252,7 @@ class PrefillServer:
         lp = out.logprobs[0] if out.logprobs else None
         self._send_to(h.peer, P.KVDone(h.rid, out.token_ids[0], lp.logprob if lp else None,
                                        [tuple(t) for t in lp.top] if lp else None, h.num_xfers,
-                                       out.prompt_tokens - out.cached_tokens))
+                                       out.prompt_tokens - out.cached_tokens, out.cached_from or {}))
         h.done = True
         self._settle(out.rid)
 
@@ -259,6 +264,7 @@ class PrefillServer:
         for local, h, x, ok in self.handoffs.reap(self.agent.state):
             self.agent.release(x.handle)
             self.engine.drop(x.src)
+            self.xfer_metrics.end("kv_write", self._names.get(h.peer, "?"), x.nbytes, ok, t0=x.t0)
             if ok:
                 self.stats["xfers"] += 1
                 self.stats["bytes"] += x.nbytes
@@ -352,6 +358,12 @@ def run(cfg: PrefillConfig, reload_source=None) -> int:
             life.loop = server.loop
             admin = build_admin_app(server.loop, ServeConfig(api_key=cfg.api_key, api_key_file=cfg.api_key_file),
                                     name, server.state_extra)
+            server.metrics = admin.state.trnd.metrics
+            server.metrics.role_stats = lambda: {"prefill_requests": server.stats["requests"],
+                                                 "prefill_kv_writes": server.stats["xfers"],
+                                                 "prefill_kv_bytes": server.stats["bytes"],
+                                                 "prefill_handoffs_failed": server.stats["failed"],
+                                                 "prefill_handoffs_aborted": server.stats["aborted"]}
             http = http_server(admin, cfg.host, cfg.admin_port)
 
             async def main() -> int:

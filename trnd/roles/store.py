@@ -55,6 +55,9 @@ def build_admin_app(server: StoreServer, cfg: StoreConfig):
     async def admin_state(request: Request) -> Response:
         return js(server.state())
 
+    async def metrics(request: Request) -> Response:
+        return Response(store_metrics(server), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     async def corrupt(request: Request) -> Response:
         try:
             h = bytes.fromhex(msgspec.json.decode(await request.body())["hash"])
@@ -71,7 +74,7 @@ def build_admin_app(server: StoreServer, cfg: StoreConfig):
         return js({"delay_s": server.delay_s})
 
     routes = [Route("/health", health, methods=["GET"]), Route("/ready", ready, methods=["GET"]),
-              Route("/admin/state", admin_state, methods=["GET"])]
+              Route("/admin/state", admin_state, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])]
     if server.debug:
         routes += [Route("/admin/debug/corrupt", corrupt, methods=["POST"]),
                    Route("/admin/debug/delay", delay, methods=["POST"])]
@@ -79,6 +82,43 @@ def build_admin_app(server: StoreServer, cfg: StoreConfig):
     app.state.trnd = AdminState(cfg)
     app.state.trnd.auth = find_api_key_middleware(app)
     return app
+
+
+def store_metrics(server: StoreServer) -> bytes:
+    """The store's /metrics, in the Prometheus text format the other roles use: its slots, leases and
+    reservations (gauges), per-client lookups, hits, misses and bytes (counters, from its /admin/state),
+    then its transfer metrics per client (transfer/metrics.py)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    st = server.state()
+
+    class Snapshot:
+        def collect(self):
+            g = GaugeMetricFamily("trnd:store_slots", "Page slots by state (total, free, used, reserved, ...).",
+                                  labels=["state"])
+            for k, v in msgspec.structs.asdict(st.slots).items():
+                if isinstance(v, int):
+                    g.add_metric([k], v)
+            yield g
+            yield GaugeMetricFamily("trnd:store_leases", "Read leases held (pages pinned for a reader).", value=st.leases)
+            yield GaugeMetricFamily("trnd:store_reservations", "Write reservations open.", value=st.reservations)
+            yield GaugeMetricFamily("trnd:store_clients", "Connected clients.", value=len(st.clients))
+            for key, doc in (("lookups", "Lookups served"), ("hits", "Pages found by lookups"),
+                             ("misses", "Pages asked for and not found"), ("committed", "Pages written and verified"),
+                             ("rejected", "Written pages that failed their checksum"),
+                             ("bytes_in", "Bytes written into the store"), ("bytes_out", "Bytes leased out to readers")):
+                c = CounterMetricFamily(f"trnd:store_{key}", f"{doc}, by client.", labels=["client"])
+                for cl in st.clients:
+                    c.add_metric([cl.name], getattr(cl, key))
+                yield c
+            for key in ("bytes_in", "bytes_out", "connections", "refused", "corrupt_dropped"):
+                yield CounterMetricFamily(f"trnd:store_node_{key}", f"{key.replace('_', ' ')} since the store started.",
+                                          value=st.counters.get(key, 0) or 0)
+
+    reg = CollectorRegistry()
+    reg.register(Snapshot())
+    return generate_latest(reg) + server.xfer_metrics.render()
 
 
 # -- process ----------------------------------------------------------------------------------------

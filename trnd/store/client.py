@@ -41,6 +41,7 @@ from trnd.backends.omp import single_threaded
 from trnd.store import protocol as S
 from trnd.store.index import HAVE
 from trnd.store.links import Links, Store, StoreDown
+from trnd.transfer.metrics import TransferMetrics
 from trnd.transfer.nixl import KVAgent
 from trnd.transfer.plan import Layout, descriptors, make_plan
 
@@ -62,7 +63,7 @@ class _Xfer:
 class StoreClient(Links):
     def __init__(self, addrs: list[str], secret: bytes, agent: KVAgent, local: Layout, pools: list[torch.Tensor],
                  namespace: str, *, dtype: str, deadline_s: float = 1.0, write_deadline_s: float | None = None,
-                 heartbeat_s: float = 1.0, peer_timeout_s: float = 3.0):
+                 heartbeat_s: float = 1.0, peer_timeout_s: float = 3.0, metrics: TransferMetrics | None = None):
         """addrs: "host:port" of every store (the same list, spelled the same, on every client).
         local: this role's layout (its pools, one per rank); namespace: the page-hash namespace
         (Engine.namespace); dtype: the KV dtype's name (part of the store's key space)."""
@@ -71,6 +72,7 @@ class StoreClient(Links):
         if len(pools) != len(local.rank_heads):
             raise ValueError(f"{len(pools)} pools for {len(local.rank_heads)} ranks")
         self.secret, self.agent, self.local, self.pools = secret, agent, local, pools
+        self.xfer_metrics = metrics or TransferMetrics()  # per store: ops store_read, store_write
         self.deadline_s = deadline_s
         self.write_deadline_s = write_deadline_s or deadline_s
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
@@ -301,7 +303,8 @@ class StoreClient(Links):
                     log.warning("%s", e)
                     n = min(n, pos[take[0]])
                     continue
-                jobs.append((s, [pos[j] for j in take], self._track(handle, local)))
+                jobs.append((s, [pos[j] for j in take], self._track(handle, local, "store_read", s.addr,
+                                                                    len(take) * self.page_bytes)))
             for s, positions, fut in jobs:
                 state = await fut
                 if state != "DONE":
@@ -364,7 +367,7 @@ class StoreClient(Links):
             except ConnectionError as e:
                 log.warning("%s", e)
                 return have
-            xfer = self._track(handle, [])
+            xfer = self._track(handle, [], "store_write", s.addr, len(local) * self.page_bytes)
             sums = await self._sums(local)  # while the bytes move (the caller keeps the pages unchanged)
             if await xfer != "DONE":
                 s.counters["errors"] += 1
@@ -389,10 +392,13 @@ class StoreClient(Links):
 
     # -- transfers and bytes ------------------------------------------------------------------------
 
-    def _track(self, handle, pages: list[int]) -> asyncio.Future:
+    def _track(self, handle, pages: list[int], op: str, peer: str, nbytes: int) -> asyncio.Future:
         """Poll a posted NIXL transfer; the future gets 'DONE' or 'ERR'. `pages` stay fenced until then,
-        whoever stopped waiting for the future."""
-        x = _Xfer(handle, asyncio.get_running_loop().create_future(), pages, time.monotonic())
+        whoever stopped waiting for the future. Counted in the transfer metrics when it ends."""
+        t0 = self.xfer_metrics.start(op, peer)
+        x = _Xfer(handle, asyncio.get_running_loop().create_future(), pages, t0)
+        x.fut.add_done_callback(lambda f: self.xfer_metrics.end(
+            op, peer, nbytes, ok=not f.cancelled() and f.result() == "DONE", t0=t0))
         with self._lock:
             for p in pages:
                 self._fenced[p] = self._fenced.get(p, 0) + 1

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from trnd import snapshot as SN
 from trnd.config import StoreConfig
 from trnd.store import protocol as S
+from trnd.transfer.metrics import TransferMetrics
 from trnd.store.index import COMMITTED, StoreIndex
 
 log = logging.getLogger("trnd.store")
@@ -94,6 +95,8 @@ class StoreServer:
         self.counters = dict.fromkeys(("connections", "refused", "unauthenticated", "bytes_in", "bytes_out",
                                        "corrupt_reports", "corrupt_dropped"), 0)
         self.verify_ms = {"n": 0, "total": 0.0, "max": 0.0}
+        # per client: serve_read (a lease granted -> released), accept_write (slots reserved -> committed)
+        self.xfer_metrics = TransferMetrics()
         self._expirer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -111,6 +114,7 @@ class StoreServer:
                 leases, res = self.index.expire(time.monotonic())
                 if leases or res:
                     log.info("expired %d leases and %d reservations", leases, res)
+                    self._end_gone(ok=False)
 
     def admit(self, m: S.StoreManifest) -> str | None:
         """Why a client with manifest m cannot use this store (None: it can). The first one that can
@@ -187,6 +191,7 @@ class StoreServer:
             leases, res = self.index.release_owner(c.id)
             if leases or res:
                 log.info("client %s: released its %d leases and %d reservations", c.name, leases, res)
+                self._end_gone(ok=False)
             self.clients.pop(c.id, None)
             chan.close()
 
@@ -200,10 +205,14 @@ class StoreServer:
             if lease:
                 c.counters["bytes_out"] += len(entries) * self.slot_bytes
                 self.counters["bytes_out"] += len(entries) * self.slot_bytes
+            if lease:
+                self.xfer_metrics.start("serve_read", c.name, key=(lease, len(entries) * self.slot_bytes))
             await c.chan.send(S.Found(msg.id, [e.slot for e in entries], [e.checksum for e in entries], lease))
         elif isinstance(msg, S.Reserve):
             rid, slots = idx.reserve(c.ns, msg.hashes, now, owner=c.id)
             c.counters["reserved"] += sum(1 for s in slots if s >= 0)
+            if rid:
+                self.xfer_metrics.start("accept_write", c.name, key=rid)
             await c.chan.send(S.Reserved(msg.id, rid, slots))
         elif isinstance(msg, S.Commit):
             task = asyncio.create_task(self._commit(c, msg))  # hashing runs off the loop; requests go on
@@ -213,10 +222,12 @@ class StoreServer:
             lease = idx.leases.get(msg.lease)
             if lease is not None and lease.owner == c.id:
                 idx.release(msg.lease)
+                self._end_read(msg.lease, ok=True)
         elif isinstance(msg, S.Abandon):
             r = idx.reservations.get(msg.reservation)
             if r is not None and r.owner == c.id:
                 idx.abandon(msg.reservation)
+                self.xfer_metrics.end("accept_write", ok=False, key=msg.reservation)
         elif isinstance(msg, S.Corrupt):
             await self._corrupt(c, msg.hashes)
         elif isinstance(msg, S.Ping):
@@ -242,6 +253,7 @@ class StoreServer:
         result = idx.commit(m.reservation, verified)  # {} if it expired meanwhile: nothing committed
         ok = [result.get(h, False) for h in m.hashes]
         n, bad = sum(ok), sum(1 for v in verified.values() if v is None)
+        self.xfer_metrics.end("accept_write", nbytes=n * self.slot_bytes, ok=bool(result) and not bad, key=m.reservation)
         c.counters["committed"] += n
         c.counters["rejected"] += bad
         c.counters["bytes_in"] += n * self.slot_bytes
@@ -249,6 +261,20 @@ class StoreServer:
         if bad:
             log.warning("client %s: %d written pages did not match their checksums: dropped", c.name, bad)
         await self._send(c, S.Committed(m.id, ok))
+
+    def _end_read(self, lease: int, ok: bool) -> None:
+        for key in self.xfer_metrics.open_keys("serve_read"):
+            if key[0] == lease:
+                self.xfer_metrics.end("serve_read", nbytes=key[1], ok=ok, key=key)
+
+    def _end_gone(self, ok: bool) -> None:
+        """Leases and reservations the index dropped (expired, or their client left): failed moves."""
+        for key in self.xfer_metrics.open_keys("serve_read"):
+            if key[0] not in self.index.leases:
+                self.xfer_metrics.end("serve_read", ok=ok, key=key)
+        for rid in self.xfer_metrics.open_keys("accept_write"):
+            if rid not in self.index.reservations:
+                self.xfer_metrics.end("accept_write", ok=ok, key=rid)
 
     async def _corrupt(self, c: Client, hashes: list[bytes]) -> None:
         """A client's read of these pages failed its checksum: drop the ones whose slot bytes are bad."""

@@ -107,6 +107,7 @@ class PrefillReq(msgspec.Struct, tag=True):
     # target pages of a lost peer only after it (+ fence_s), so a prefill that was stopped and resumes,
     # or reads this from its socket late, posts nothing into reused pages. 0: no deadline.
     expires: float = 0.0
+    session: str | None = None  # the client's session (or user), for prefill's per-request log line
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -125,6 +126,8 @@ class KVDone(msgspec.Struct, tag=True):
     top_logprobs: list[tuple[int, float]] | None
     num_xfers: int  # NIXL transfers (one per chunk) whose notifications decode must have seen
     computed_tokens: int  # prompt tokens prefill computed (the rest came from its prefix cache)
+    # prefill's cache hits by source (device, host, remote: in prefix order), for decode's cached_tokens
+    cached_from: dict[str, int] = {}
 
 
 class PrefillFailed(msgspec.Struct, tag=True):

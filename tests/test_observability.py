@@ -1,0 +1,227 @@
+"""The path a request takes, observed: usage.prompt_tokens_details.cached_tokens counts every source
+(this server's radix cache, L2, L3, a prefill peer's radix cache), each role logs one line per request
+(and one per phase at debug), and /metrics on decode, prefill and store moves after real traffic:
+requests, cached tokens by source, per-peer transfer bytes / latency / in flight, preemptions."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .procs import admin_state, free_port, stop, wait_for, wait_ready
+from .test_disagg import prompts
+
+PAGE = 16
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    """A real trnd process whose output goes to a file (debug logs outgrow a pipe nobody reads)."""
+    f = log.open("w")
+    return subprocess.Popen([sys.executable, "-m", "trnd", *args], stdout=f, stderr=subprocess.STDOUT, text=True)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted labels): value}."""
+    r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert r.status_code == 200
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(m: dict, name: str, **labels) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    return sum(v for (n, lbl), v in m.items() if n == name and set(labels.items()) <= set(lbl))
+
+
+def lines(log: Path, rid: str) -> list[str]:
+    return [ln for ln in log.read_text().splitlines() if rid in ln]
+
+
+class Disagg:
+    """store + prefill (L3 on) + decode, debug logs to files."""
+
+    def __init__(self, model, d: Path):
+        secret = d / "secret"
+        secret.write_text("obs-secret-0123456789")
+        self.logs = {r: d / f"{r}.log" for r in ("store", "prefill", "decode")}
+        scp, self.store_port = free_port(), free_port()
+        self.store = start(["store", "--secret-file", str(secret), "--control-port", str(scp), "--admin-port",
+                            str(self.store_port), "--memory-gb", "0.05"], self.logs["store"])
+        cp, self.prefill_port, self.port = free_port(), free_port(), free_port()
+        common = ["--model", str(model), "--secret-file", str(secret), "--threads", "1", "--kv-memory-gb", "0.25",
+                  "--log-level", "debug"]
+        self.prefill = start(["prefill", *common, "--store", f"127.0.0.1:{scp}", "--control-port", str(cp),
+                              "--admin-port", str(self.prefill_port)], self.logs["prefill"])
+        self.decode = start(["decode", *common, "--prefill", f"127.0.0.1:{cp}", "--served-model-name", "m",
+                             "--port", str(self.port)], self.logs["decode"])
+        for port, proc in ((self.store_port, self.store), (self.prefill_port, self.prefill), (self.port, self.decode)):
+            wait_ready(port, proc)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0)
+
+    def complete(self, prompt: list[int], user: str = "alice"):
+        return self.client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, user=user,
+                                              extra_body={"ignore_eos": True})
+
+    def evict(self, port: int) -> None:
+        assert httpx.post(f"http://127.0.0.1:{port}/admin/evict", timeout=10).status_code == 200
+
+    def close(self) -> None:
+        for p in (self.decode, self.prefill, self.store):
+            stop(p)
+
+
+@pytest.fixture(scope="module")
+def disagg(tiny_qwen3, tmp_path_factory):
+    d = Disagg(tiny_qwen3, tmp_path_factory.mktemp("obs"))
+    yield d
+    d.close()
+
+
+def test_cached_tokens_count_every_source_across_roles_and_each_role_logs_the_request(disagg):
+    prompt = prompts([300], seed=41)[0]
+    hit = (len(prompt) - 1) // PAGE * PAGE  # full pages before the last token: what any cache can hold
+    first = disagg.complete(prompt)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # 1. decode's own radix cache (device)
+    again = disagg.complete(prompt)
+    assert again.usage.prompt_tokens_details.cached_tokens == hit
+    assert again.choices[0].text == first.choices[0].text
+    # 2. decode forgot it; the prefill peer's radix cache still has it: prefill says so in KVDone
+    disagg.evict(disagg.port)
+    peer = disagg.complete(prompt)
+    assert peer.usage.prompt_tokens_details.cached_tokens == hit
+    # 3. both forgot it; prefill reads it from the L3 store (its finished prefills wrote it there)
+    assert wait_for(lambda: admin_state(disagg.prefill_port)["tiers"]["remote"]["pages_written"] >= hit // PAGE)
+    disagg.evict(disagg.port)
+    disagg.evict(disagg.prefill_port)
+    remote = disagg.complete(prompt, user="bob")
+    assert remote.usage.prompt_tokens_details.cached_tokens == hit
+    assert remote.choices[0].text == first.choices[0].text
+
+    dlog, plog = disagg.logs["decode"], disagg.logs["prefill"]
+    # the info line at the end, on decode: id, session, prompt, cached (by source), loaded (from where), ttft
+    want = {first.id: (f"cached=0 [none] loaded={len(prompt)} [prefill_peer={len(prompt)}]", "alice"),
+            again.id: (f"cached={hit} [device={hit}] loaded={len(prompt) - hit} [prefill_peer={len(prompt) - hit}]",
+                       "alice"),
+            peer.id: (f"cached={hit} [prefill={hit}] loaded={len(prompt)} [prefill_peer={len(prompt)}]", "alice"),
+            remote.id: (f"cached={hit} [remote={hit}] loaded={len(prompt)} [prefill_peer={len(prompt)}]", "bob")}
+    for rid, (kv, session) in want.items():
+        done = [ln for ln in lines(dlog, rid) if " done: " in ln]
+        assert len(done) == 1, lines(dlog, rid)
+        assert "INFO" in done[0] and f"session={session} prompt={len(prompt)} {kv} ttft=" in done[0], done[0]
+        assert "out=4" in done[0] and "finish=length" in done[0]
+    # the phases at debug, on decode...
+    trail = "\n".join(lines(dlog, remote.id))
+    for phase in ("queued: 300 prompt tokens", "handed to prefill", "KV received from 127.0.0.1:",
+                  f"300 tokens written, 12 computed there, its cache hits {{'remote': {hit}}}", "first token"):
+        assert phase in trail, trail
+    # ...and on prefill, which logs its own end line per prefill under the same id (p<peer>/<id>)
+    ptrail = "\n".join(lines(plog, remote.id))
+    assert f"{hit} tokens loaded from remote" in ptrail and "prefill start" in ptrail, ptrail
+    pdone = [ln for ln in lines(plog, remote.id) if " done: " in ln]
+    assert len(pdone) == 1 and f"session=bob prompt=300 cached={hit} [remote={hit}] loaded={hit} [remote={hit}]" \
+        in pdone[0], pdone
+    assert "out=1" in pdone[0]
+    assert wait_for(lambda: admin_state(disagg.port)["pages"]["in_use"] == 0)
+
+
+def test_metrics_on_decode_prefill_and_store_move_with_the_traffic(disagg):
+    prompt = prompts([200], seed=42)[0]
+    before = {r: scrape(p) for r, p in (("decode", disagg.port), ("prefill", disagg.prefill_port),
+                                         ("store", disagg.store_port))}
+    disagg.complete(prompt)
+    assert wait_for(lambda: admin_state(disagg.prefill_port)["tiers"]["remote"]["pages_written"] > 0)
+    time.sleep(0.3)  # the store's Commit round trip
+    dec, pre, sto = scrape(disagg.port), scrape(disagg.prefill_port), scrape(disagg.store_port)
+
+    def moved(m, role, name, by=None, **labels):
+        d = total(m, name, **labels) - total(before[role], name, **labels)
+        assert d > 0 if by is None else d == by, (role, name, labels, d)
+
+    # decode: the request, its handoff received from the prefill peer, per peer
+    moved(dec, "decode", "trnd:request_success_total", by=1, finished_reason="length")
+    moved(dec, "decode", "trnd:kv_transfer_bytes_total", op="kv_receive")
+    moved(dec, "decode", "trnd:kv_transfer_latency_seconds_count", by=1, op="kv_receive")
+    moved(dec, "decode", "trnd:decode_handoffs_total", by=1)
+    assert total(dec, "trnd:kv_transfers_in_flight") == 0
+    assert total(dec, "trnd:num_preemptions_total") == 0
+    # the sources of the previous test's cached tokens, on decode
+    for src in ("device", "prefill", "remote"):
+        assert total(dec, "trnd:prompt_tokens_cached_total", source=src) >= 288, src
+    # prefill: its requests and prompt tokens, its NIXL writes per decode agent, its L3 reads and writes
+    moved(pre, "prefill", "trnd:prefill_requests_total", by=1)
+    moved(pre, "prefill", "trnd:prompt_tokens_total", by=200)
+    moved(pre, "prefill", "trnd:prefill_tokens_total", by=200)
+    moved(pre, "prefill", "trnd:kv_transfer_bytes_total", op="kv_write")
+    moved(pre, "prefill", "trnd:kv_transfer_bytes_total", op="store_write")
+    peers = {dict(lbl)["peer"] for (n, lbl) in pre if n == "trnd:kv_transfer_bytes_total"
+             and dict(lbl)["op"] == "kv_write"}
+    assert len(peers) == 1 and next(iter(peers)).startswith("decode-"), peers
+    assert total(pre, "trnd:kv_transfer_bytes_total", op="store_read") > 0  # the previous test's L3 hit
+    assert total(pre, "trnd:prompt_tokens_cached_total", source="remote") >= 288
+    assert ("trnd:num_requests_waiting", (("model_name", next(iter({dict(lbl)["model_name"] for (n, lbl) in pre
+                                                                     if n == "trnd:num_requests_waiting"})),),)) in pre
+    # store: slots and leases now, and per client: lookups, hits, bytes in, its side of every transfer
+    assert total(sto, "trnd:store_slots", state="used") >= (288 + 192) // PAGE
+    assert total(sto, "trnd:store_leases") == 0
+    moved(sto, "store", "trnd:store_lookups_total")
+    moved(sto, "store", "trnd:store_bytes_in_total")
+    assert total(sto, "trnd:store_hits_total") > 0
+    moved(sto, "store", "trnd:kv_transfer_bytes_total", op="accept_write")
+    assert total(sto, "trnd:kv_transfer_bytes_total", op="serve_read") > 0
+    assert total(sto, "trnd:kv_transfers_in_flight") == 0
+
+
+@pytest.fixture(scope="module")
+def aggregated(tiny_qwen3, tmp_path_factory):
+    log = tmp_path_factory.mktemp("obs-agg") / "serve.log"
+    port = free_port()
+    proc = start(["serve", "--aggregated", "--model", str(tiny_qwen3), "--port", str(port), "--threads", "1",
+                  "--kv-memory-gb", "0.004", "--host-cache-gb", "0.01", "--served-model-name", "m"], log)
+    wait_ready(port, proc)
+    yield port, log
+    stop(proc)
+
+
+def test_aggregated_counts_the_host_tier_and_preemptions(aggregated):
+    port, log = aggregated
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    prompt = prompts([100], seed=43)[0]
+    hit = (len(prompt) - 1) // PAGE * PAGE
+    client.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0)
+    assert httpx.post(f"http://127.0.0.1:{port}/admin/evict", timeout=10).status_code == 200  # pages -> L2
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0, user="carol")
+    assert r.usage.prompt_tokens_details.cached_tokens == hit
+    done = [ln for ln in lines(log, r.id) if " done: " in ln]
+    assert len(done) == 1 and f"session=carol prompt=100 cached={hit} [host={hit}] loaded={hit} [host={hit}]" in \
+        done[0], done
+    # preemption: requests whose tokens together outgrow the pool
+    st = admin_state(port)
+    cap = st["pages"]["token_capacity"]
+    n, each = 3, min(st["limits"]["max_model_len"] - 8, int(cap * 0.6))
+    assert n * each > cap * 1.3
+    ps = prompts([32] * n, seed=44)
+
+    def one(p):
+        return client.completions.create(model="m", prompt=p, max_tokens=each - 32, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    with concurrent.futures.ThreadPoolExecutor(n) as ex:
+        outs = list(ex.map(one, ps))
+    assert all(o.usage.completion_tokens == each - 32 for o in outs)
+    m = scrape(port)
+    assert total(m, "trnd:num_preemptions_total") > 0
+    assert total(m, "trnd:prompt_tokens_cached_total", source="host") == hit
+    assert wait_for(lambda: admin_state(port)["pages"]["in_use"] == 0)
+    ends = [ln for o in outs for ln in lines(log, o.id) if " done: " in ln]
+    assert len(ends) == n and any("preemptions=0" not in ln for ln in ends), ends

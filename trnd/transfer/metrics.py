@@ -1,0 +1,66 @@
+"""Transfer metrics per peer, the same on every end of a KV move: prefill's NIXL writes into a decode
+pool and decode's wait for them, a role's reads and writes of L3 pages and the store's side of them.
+
+One `TransferMetrics` per process, in its own registry (api/metrics.py and the store's /metrics
+append it to what they render). `op` says which move, `peer` who is on the other end (an address or
+a NIXL agent name, whatever that process knows it by). A move starts (in flight +1) and ends once:
+ok (bytes, latency) or failed (the failure counter; its latency is still observed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class TransferMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        lbl = ["op", "peer"]
+        self.bytes = Counter("trnd:kv_transfer_bytes", "KV bytes moved, by operation and peer.", lbl, registry=r)
+        self.latency = Histogram("trnd:kv_transfer_latency_seconds", "Start to end of one KV transfer.", lbl,
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.failures = Counter("trnd:kv_transfer_failures", "KV transfers that failed or were given up.", lbl,
+                                registry=r)
+        self.in_flight = Gauge("trnd:kv_transfers_in_flight", "KV transfers started and not ended.", lbl,
+                               registry=r)
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, object], tuple[str, float]] = {}  # (op, key) -> (peer, t0)
+
+    def start(self, op: str, peer: str, key: object = None) -> float:
+        """A transfer begins; `key` lets `end` find it (its peer and start time), else keep the t0."""
+        t0 = time.monotonic()
+        self.in_flight.labels(op, peer).inc()
+        if key is not None:
+            with self._lock:
+                self._open[(op, key)] = (peer, t0)
+        return t0
+
+    def end(self, op: str, peer: str | None = None, nbytes: int = 0, ok: bool | None = True,
+            t0: float | None = None, key: object = None) -> None:
+        """ok: bytes and latency; False: a failure; None: given up by its owner (an abort): neither."""
+        if key is not None:
+            with self._lock:
+                peer, t0 = self._open.pop((op, key), (None, None))
+        if peer is None:
+            return  # never started (or ended already): count nothing twice
+        self.in_flight.labels(op, peer).dec()
+        if ok is None:
+            return
+        if t0 is not None:
+            self.latency.labels(op, peer).observe(time.monotonic() - t0)
+        if ok:
+            self.bytes.labels(op, peer).inc(nbytes)
+        else:
+            self.failures.labels(op, peer).inc()
+
+    def open_keys(self, op: str) -> list[object]:
+        with self._lock:
+            return [k for o, k in self._open if o == op]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
