@@ -5,6 +5,7 @@ requests, cached tokens by source, per-peer transfer bytes / latency / in flight
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import subprocess
 import sys
@@ -225,3 +226,53 @@ def test_aggregated_counts_the_host_tier_and_preemptions(aggregated):
     assert wait_for(lambda: admin_state(port)["pages"]["in_use"] == 0)
     ends = [ln for o in outs for ln in lines(log, o.id) if " done: " in ln]
     assert len(ends) == n and any("preemptions=0" not in ln for ln in ends), ends
+
+
+def test_top_follows_one_request_across_decode_and_prefill(disagg):
+    from textual.widgets import Static
+
+    from trnd.top.app import TopApp
+    from trnd.top.client import parse_target
+    from trnd.top.trace import FollowScreen, TraceScreen
+
+    r = disagg.complete(prompts([120], seed=45)[0], user="dave")
+    nope = httpx.get(f"http://127.0.0.1:{disagg.port}/admin/requests/cmpl-nope", timeout=10)
+    assert nope.status_code == 404 and nope.json()["error"]["code"] == "request_not_found"
+    via_prefill = httpx.get(f"http://127.0.0.1:{disagg.prefill_port}/admin/requests/{r.id}", timeout=10).json()
+    assert via_prefill["role"] == "prefill" and [t["id"] for t in via_prefill["traces"]] == [f"p1/{r.id}"]
+
+    async def go():
+        dec, pre = f"127.0.0.1:{disagg.port}", f"127.0.0.1:{disagg.prefill_port}"
+        app = TopApp([parse_target(dec), parse_target(pre)], interval=0.3, timeout=5.0)
+        async with app.run_test(size=(140, 50)) as pilot:
+            assert await until(pilot, lambda: all(t.status == "ready" for t in app.tracks), 20)
+            await pilot.press("f")
+            assert await until(pilot, lambda: isinstance(app.screen, FollowScreen))
+            await pilot.press(*[{"-": "minus"}.get(c, c) for c in r.id], "enter")  # typed, as a person would
+            assert await until(pilot, lambda: isinstance(app.screen, TraceScreen))
+            screen = app.screen
+            assert screen.rid == r.id
+            assert await until(pilot, lambda: len([a for _, a in screen.answers if a is not None]) == 2, 10)
+            text = str(screen.query_one("#trace-detail", Static).render())
+            # both nodes, each with its own id for the request, its summary and its phases in time order
+            assert f"{dec} (decode, {r.id}): done" in text and f"{pre} (prefill, p1/{r.id}): done" in text, text
+            # one time line: decode hands it over, prefill computes it, decode gets the KV and the first token
+            path = text[text.index("path"):]
+            order = ["decode    queued", "decode    handed to prefill", "prefill   queued", "prefill   prefill start",
+                     "prefill   first token", "decode    KV received from", "decode    first token"]
+            assert [path.index(p) for p in order] == sorted(path.index(p) for p in order), text
+            assert "session dave" in text and "loaded 120 (prefill_peer=120)" in text and "finish length" in text
+            await pilot.press("escape")
+            assert await until(pilot, lambda: not isinstance(app.screen, TraceScreen))
+
+    asyncio.run(go())
+
+
+async def until(pilot, pred, timeout: float = 10.0, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        await pilot.pause(step)
+    return pred()

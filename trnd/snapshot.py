@@ -312,6 +312,39 @@ class State(msgspec.Struct, kw_only=True, omit_defaults=True):
     counters: dict[str, float | None] | None = None
 
 
+# -- one request's path (/admin/requests/{id}) -----------------------------------------------------------
+
+class Phase(_S):
+    t: float = 0.0  # wall clock (time.time()): comparable across the processes of one host
+    what: str = ""
+
+
+class Trace(_S):
+    """One request on one node, live or recently ended (engine/trace.py keeps the phases)."""
+    id: str = "?"  # this node's id for it (prefill: p<peer>/<decode id>)
+    session_id: str | None = None
+    state: str = "done"  # a live request's Request.state, or done
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_from: dict[str, int] = {}  # device | host | remote | prefill -> tokens (usage's cached_tokens)
+    loaded_from: dict[str, int] = {}  # host | remote | prefill_peer -> tokens that came into this engine
+    generated_tokens: int = 0
+    ttft_ms: float | None = None
+    preemptions: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    phases: list[Phase] = []
+
+
+class Traces(_S):
+    role: str = "?"
+    traces: list[Trace] = []
+
+
+def decode_traces(obj: bytes) -> Traces:
+    return msgspec.json.decode(obj, type=Traces)
+
+
 def decode(obj: dict | bytes) -> State:
     """A state from JSON bytes or a decoded JSON object."""
     if isinstance(obj, (bytes, str)):

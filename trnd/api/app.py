@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from trnd import snapshot as S
 from trnd.api.auth import APIKeyMiddleware, find_api_key_middleware, key_swap
 from trnd.api.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from trnd.api.metrics import Metrics
@@ -105,7 +106,8 @@ class AppState:
 
 def probe_routes() -> list[Route]:
     return [Route("/health", health, methods=["GET"]), Route("/ready", ready, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]), Route("/admin/state", admin_state, methods=["GET"])]
+            Route("/metrics", metrics, methods=["GET"]), Route("/admin/state", admin_state, methods=["GET"]),
+            Route("/admin/requests/{rid:path}", admin_request, methods=["GET"])]
 
 
 def admin_routes() -> list[Route]:
@@ -126,6 +128,7 @@ def make_app(routes, loop, cfg, model_name, state_extra) -> Starlette:
                     exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                                         Exception: internal_error_handler})
     app.state.trnd = AppState(loop, cfg, model_name, Metrics(model_name), state_extra, ready_hold_s=cfg.ready_hold_s)
+    loop.engine.xfer_metrics.model_name = model_name  # its samples carry the served name like the rest
     app.state.trnd.auth = find_api_key_middleware(app)
     return app
 
@@ -196,6 +199,19 @@ async def admin_state(request: Request) -> Response:
     if st.state_extra is not None:
         state = msgspec.structs.replace(state, **st.state_extra())
     return json_response(state)
+
+
+async def admin_request(request: Request) -> Response:
+    """One request's path through this node (snapshot.Traces): live or among the latest ended, by the id
+    in its reply (a prefill role matches its `p<peer>/<id>`); 404 when this node has no such request."""
+    st = state_of(request)
+    rid = request.path_params["rid"]
+    traces = await _on_loop(st, lambda: st.loop.engine.traces(rid))
+    if not traces:
+        raise APIError(404, f"No request with id {rid!r} on this node (or it ended long ago)", param="rid",
+                       code="request_not_found")
+    role = (st.state_extra() or {}).get("role", "serve") if st.state_extra is not None else "serve"
+    return json_response(S.Traces(role=role, traces=traces))
 
 
 async def admin_abort(request: Request) -> Response:

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,8 @@ from trnd.parallel import TPGroup
 from trnd.transfer.metrics import TransferMetrics
 
 log = logging.getLogger("trnd.engine")
+
+RECENT = 512  # ended requests whose path /admin/requests/{id} still shows
 
 
 @dataclass
@@ -146,7 +148,7 @@ class Engine:
             self.runner = ModelRunner(self.model, mc, self.pools[0])
         # Per-peer transfer metrics of this process (transfer/metrics.py): the store client's reads and
         # writes, the roles' KV handoffs; /metrics renders them with the rest (api/metrics.py).
-        self.xfer_metrics = TransferMetrics()
+        self.xfer_metrics = TransferMetrics(Path(cfg.model).resolve().name)  # the served name: api/metrics.py
         self.tiers = self._make_tiers()
         self.scheduler.tiers = self.tiers
         if self.workers:
@@ -156,6 +158,7 @@ class Engine:
         self.streams: dict[str, OutputStream] = {}
         self.stats = EngineStats()
         self.idle_step = False  # the last step had nothing to compute (work parked on transfers)
+        self.recent: OrderedDict[str, object] = OrderedDict()  # rid -> snapshot.Trace of the latest ended requests
         loaded = str(self.model_config.dtype).removeprefix("torch.")
         self.cpu_paths = cpu_paths(loaded, why) if cfg.backend == "cpu" else {}
         if cfg.backend == "cpu":
@@ -269,7 +272,7 @@ class Engine:
             return None
         self.scheduler.finish(req, "abort")  # a parked request keeps its pages until its source is done
         self.stats.aborted += 1
-        trace.finished(req, "abort")
+        self.remember(trace.finished(req, "abort"))
         return self.streams.pop(rid).finish(req)
 
     @property
@@ -291,7 +294,7 @@ class Engine:
         for req, error in batch.failed:
             self.streams.pop(req.rid, None)
             self.failures.append((req.rid, error))
-            trace.finished(req, "error", error)
+            self.remember(trace.finished(req, "error", error))
         self.idle_step = batch.empty and not arrived and not batch.failed
         if batch.empty:
             return arrived
@@ -345,7 +348,7 @@ class Engine:
             return stream.take(req)
         self.scheduler.finish(req, reason)
         self.stats.finished += 1
-        trace.finished(req, reason)
+        self.remember(trace.finished(req, reason))
         self.streams.pop(req.rid)
         return stream.finish(req)
 
@@ -375,6 +378,16 @@ class Engine:
             self.workers = None
 
     # -- inspection (engine/state.py) -------------------------------------------------------------------
+
+    def remember(self, t) -> None:
+        """Keep an ended request's Trace (the latest RECENT of them) for /admin/requests/{id}."""
+        self.recent[t.id] = t
+        self.recent.move_to_end(t.id)
+        while len(self.recent) > RECENT:
+            self.recent.popitem(last=False)
+
+    def traces(self, rid: str) -> list:
+        return state.request_traces(self, rid)
 
     def check_integrity(self) -> dict:
         return state.check_integrity(self)

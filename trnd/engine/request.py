@@ -48,6 +48,7 @@ class Req:
         self.cached_from: dict[str, int] = {}
         self.loaded_from: dict[str, int] = {}  # tokens this engine's own tiers loaded back (host, remote)
         self.received = 0  # prompt tokens whose KV a prefill peer wrote into this engine's pages (decode)
+        self.trail: list[tuple[float, str]] = []  # (wall clock, phase): engine/trace.py
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.handoffs = 0  # times its prompt KV was asked of a prefill peer (decode: retries on a lost peer)

@@ -10,6 +10,7 @@ import time
 
 from trnd import snapshot as S
 from trnd.cache.radix import check_pool_integrity
+from trnd.engine import trace
 from trnd.engine.request import Req, Status
 
 log = logging.getLogger("trnd.engine")
@@ -89,3 +90,16 @@ def engine_state(engine) -> S.State:
                         token_budget=engine.cfg.token_budget, chunk_size=engine.cfg.chunk_size),
         integrity=engine.integrity,
     )
+
+
+def request_traces(engine, rid: str) -> list[S.Trace]:
+    """/admin/requests/{rid}: the request with this id (or, on prefill, `p<peer>/<rid>`) live in the
+    scheduler or among the recently ended, with its phases so far (engine/trace.py)."""
+    def match(r: str) -> bool:
+        return r == rid or r.endswith("/" + rid)
+
+    sched = engine.scheduler
+    live = [*sched.running, *sched.waiting, *(j.req for j in sched.parked.values() if not j.aborted)]
+    out = [trace.record(r, _phase(engine, r)) for r in live if match(r.rid)]
+    seen = {t.id for t in out}
+    return out + [t for r, t in engine.recent.items() if match(r) and r not in seen]

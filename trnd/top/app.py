@@ -28,6 +28,7 @@ from trnd.top.client import Client, Target
 from trnd.top.fmt import fmt_duration, fmt_rate
 from trnd.top.model import SORTS, NodeTrack, Poll, ReqRow
 from trnd.top.panels import BatchPanel, CachePanel, NodesPanel, TransfersPanel, ViewOpts, selected_key
+from trnd.top.trace import FollowScreen, TraceScreen, api_id
 
 PANELS = ("nodes", "batch", "cache", "transfers")
 PANEL_KEYS = Binding.Group("panels", compact=True)
@@ -39,6 +40,8 @@ HELP = """\
 [b]↑ ↓[/b]      move the selection; [b]enter[/b] on a request opens its details
 [b]/[/b]        filter requests and handoffs by node, id, session or state
          ([b]enter[/b] keeps the filter, [b]esc[/b] clears it)
+[b]f[/b]        follow a request by its id across nodes: its phases on
+         prefill and decode (the selected request's id, or type one)
 [b]s[/b]        batch sort: age, tok/s, generated, prompt, session, node
 [b]p[/b]        pause / resume polling (the screen freezes)
 [b]a[/b]        abort the selected request (asks first)
@@ -108,7 +111,8 @@ class RequestScreen(ModalScreen[None]):
     RequestScreen > Static { width: 76; max-width: 100%; height: auto; max-height: 100%;
                              border: round $primary; background: $surface; padding: 0 1; }
     """
-    BINDINGS = [Binding("escape,enter,q", "dismiss", "Close"), Binding("a", "abort", "Abort")]
+    BINDINGS = [Binding("escape,enter,q", "dismiss", "Close"), Binding("a", "abort", "Abort"),
+                Binding("f", "follow", "Follow")]
 
     def __init__(self, key: str, row: ReqRow):
         super().__init__()
@@ -138,7 +142,7 @@ class RequestScreen(ModalScreen[None]):
                   ("generated", f"{r.generated} of {r.max_tokens} ({done})"), ("pages", r.pages),
                   ("tokens/s", fmt_rate(r.tokens_per_s)), ("age", fmt_duration(r.age_s)),
                   ("preemptions", r.preemptions), ("queue", "waiting queue" if r.queued else "running batch")]
-        lines = [Content.from_markup("[b]request[/b]  [dim]esc close · a abort[/]")]
+        lines = [Content.from_markup("[b]request[/b]  [dim]esc close · a abort · f follow across nodes[/]")]
         lines += [Content.from_markup("[$text-primary]$k[/] $v", k=f"{k:<16}", v=str(v)) for k, v in fields]
         if self.gone:
             lines.append(Content.from_markup("[$text-warning]no longer in /admin/state: finished or aborted[/]"))
@@ -146,6 +150,9 @@ class RequestScreen(ModalScreen[None]):
 
     def action_abort(self) -> None:
         self.app.confirm_abort(self.row)
+
+    def action_follow(self) -> None:
+        self.app.follow(api_id(self.row.id))
 
 
 class TopApp(App):
@@ -159,6 +166,7 @@ class TopApp(App):
     BINDINGS = [
         *(Binding(str(i + 1), f"panel('{name}')", name, group=PANEL_KEYS) for i, name in enumerate(PANELS)),
         Binding("slash", "filter", "Filter"),
+        Binding("f", "follow", "Follow"),
         Binding("s", "sort", "Sort"),
         Binding("p", "pause", "Pause"),
         Binding("a", "abort", "Abort"),
@@ -330,6 +338,18 @@ class TopApp(App):
     def _hide_filter(self) -> None:
         self.query_one("#filter", Input).remove_class("-shown")
         self.action_panel(self.active_panel)
+
+    def action_follow(self) -> None:
+        row = self.query_one(BatchPanel).selected() if self.active_panel == "batch" else None
+
+        def chosen(rid: str | None) -> None:
+            if rid:
+                self.follow(rid)
+        self.push_screen(FollowScreen(api_id(row.id) if row is not None else ""), chosen)
+
+    def follow(self, rid: str) -> None:
+        """Open the request's path across every polled node (trnd/top/trace.py)."""
+        self.push_screen(TraceScreen(rid, self.clients, self.interval))
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

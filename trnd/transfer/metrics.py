@@ -18,9 +18,12 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class TransferMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str | None = None):
+        """model_name: the label every role's samples carry (api/metrics.py sets the served name); None
+        (the store, which serves any model): no such label."""
         self.registry = r = CollectorRegistry()
-        lbl = ["op", "peer"]
+        self.model_name = model_name
+        lbl = ["op", "peer"] if model_name is None else ["model_name", "op", "peer"]
         self.bytes = Counter("trnd:kv_transfer_bytes", "KV bytes moved, by operation and peer.", lbl, registry=r)
         self.latency = Histogram("trnd:kv_transfer_latency_seconds", "Start to end of one KV transfer.", lbl,
                                  buckets=LATENCY_BUCKETS, registry=r)
@@ -34,7 +37,7 @@ class TransferMetrics:
     def start(self, op: str, peer: str, key: object = None) -> float:
         """A transfer begins; `key` lets `end` find it (its peer and start time), else keep the t0."""
         t0 = time.monotonic()
-        self.in_flight.labels(op, peer).inc()
+        self.in_flight.labels(*self._labels(op, peer)).inc()
         if key is not None:
             with self._lock:
                 self._open[(op, key)] = (peer, t0)
@@ -48,15 +51,18 @@ class TransferMetrics:
                 peer, t0 = self._open.pop((op, key), (None, None))
         if peer is None:
             return  # never started (or ended already): count nothing twice
-        self.in_flight.labels(op, peer).dec()
+        self.in_flight.labels(*self._labels(op, peer)).dec()
         if ok is None:
             return
         if t0 is not None:
-            self.latency.labels(op, peer).observe(time.monotonic() - t0)
+            self.latency.labels(*self._labels(op, peer)).observe(time.monotonic() - t0)
         if ok:
-            self.bytes.labels(op, peer).inc(nbytes)
+            self.bytes.labels(*self._labels(op, peer)).inc(nbytes)
         else:
-            self.failures.labels(op, peer).inc()
+            self.failures.labels(*self._labels(op, peer)).inc()
+
+    def _labels(self, op: str, peer: str) -> tuple[str, ...]:
+        return (op, peer) if self.model_name is None else (self.model_name, op, peer)
 
     def open_keys(self, op: str) -> list[object]:
         with self._lock:
