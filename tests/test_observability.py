@@ -276,3 +276,63 @@ async def until(pilot, pred, timeout: float = 10.0, step: float = 0.05):
             return v
         await pilot.pause(step)
     return pred()
+
+
+# -- the parts alone ----------------------------------------------------------------------------------
+
+def test_a_preempted_request_does_not_count_its_own_recompute_as_cached():
+    from trnd.cache.pages import PagePool
+    from trnd.cache.radix import RadixCache
+    from trnd.engine.request import Req, SamplingParams
+    from trnd.engine.scheduler import Scheduler, SchedulerConfig
+
+    pool = PagePool(32)
+    s = Scheduler(SchedulerConfig(page_size=4, token_budget=8, chunk_size=8), pool, RadixCache(pool, 4))
+    shared = list(range(12))
+    a = Req(shared + [50, 51], SamplingParams(max_tokens=4))
+    s.add(a)
+    b = s.schedule()
+    a.num_computed += b.prefill[0][1]  # 8 of 14 prompt tokens computed: 2 pages
+    s.preempt(a)  # its 2 pages go to the radix cache; re-admitted, it finds them there
+    s.schedule()
+    assert a.num_cached == 8 and a.cached_tokens == 0 and a.cached_from == {}
+    c = Req(shared + [60], SamplingParams(max_tokens=4))  # a new request on the same prefix: a real hit
+    s.add(c)
+    s.schedule()
+    assert c.cached_tokens == 8 and c.cached_from == {"device": 8}
+
+
+def test_peer_hits_count_what_lies_beyond_our_own_prefix():
+    from trnd.roles.decode import peer_hits
+
+    assert peer_hits({"device": 32, "host": 16, "remote": 16}, 0) == {"prefill": 32, "host": 16, "remote": 16}
+    assert peer_hits({"device": 32, "host": 16, "remote": 16}, 40) == {"host": 8, "remote": 16}
+    assert peer_hits({"device": 32}, 32) == {}
+    assert peer_hits({"remote": 64}, 16) == {"remote": 48}
+    assert peer_hits({}, 16) == {}
+
+
+def test_transfer_metrics_per_peer():
+    from trnd.transfer.metrics import TransferMetrics
+
+    m = TransferMetrics("m")
+    m.start("kv_receive", "a:1", key="r1")
+    m.start("kv_receive", "b:2", key="r2")
+    m.start("kv_receive", "b:2", key="r3")
+    t0 = m.start("kv_write", "dec-1")
+
+    def val(name, **lbl):
+        return total({(n, tuple(sorted(s.labels.items()))): s.value
+                      for f in text_string_to_metric_families(m.render().decode()) for s in f.samples
+                      for n in [s.name]}, name, **lbl)
+    assert val("trnd:kv_transfers_in_flight", op="kv_receive") == 3
+    m.end("kv_receive", nbytes=100, key="r1")
+    m.end("kv_receive", nbytes=100, key="r1")  # ended once only
+    m.end("kv_receive", ok=False, key="r2")
+    m.end("kv_receive", ok=None, key="r3")  # given up by its owner: neither bytes nor a failure
+    m.end("kv_write", "dec-1", 64, t0=t0)
+    assert val("trnd:kv_transfers_in_flight") == 0
+    assert val("trnd:kv_transfer_bytes_total", op="kv_receive", peer="a:1") == 100
+    assert val("trnd:kv_transfer_failures_total", peer="b:2") == 1
+    assert val("trnd:kv_transfer_latency_seconds_count", peer="b:2") == 1
+    assert val("trnd:kv_transfer_bytes_total", op="kv_write", peer="dec-1", model_name="m") == 64

@@ -166,7 +166,7 @@ class TopApp(App):
     BINDINGS = [
         *(Binding(str(i + 1), f"panel('{name}')", name, group=PANEL_KEYS) for i, name in enumerate(PANELS)),
         Binding("slash", "filter", "Filter"),
-        Binding("f", "follow", "Follow"),
+        Binding("f", "follow", "Follow", show=False),  # in the help; the 80-column footer is full
         Binding("s", "sort", "Sort"),
         Binding("p", "pause", "Pause"),
         Binding("a", "abort", "Abort"),
