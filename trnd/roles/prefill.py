@@ -19,6 +19,7 @@ import msgspec
 
 from trnd import snapshot as S
 from trnd.config import PrefillConfig
+from trnd.engine import trace
 from trnd.engine.engine import LengthError
 from trnd.engine.loop import EngineLoop
 from trnd.engine.output import StepOutput
@@ -234,10 +235,12 @@ class PrefillServer:
             try:
                 handle = self.agent.write(peer.agent_name, sd, dd, f"{h.rid}|{h.num_xfers}".encode())
             except ConnectionError as e:
+                self.xfer_metrics.failed("kv_write", peer.agent_name)
                 self._fail(req.rid, h, str(e))
                 continue
             self.stats["post_ms"] += (time.monotonic() - t0) * 1e3
             self.xfer_metrics.start("kv_write", peer.agent_name)
+            trace.phase(req, f"KV write {h.num_xfers} posted: {len(idx)} pages to {peer.agent_name}")
             self.engine.hold(src)  # until the transfer is done, whatever happens to the request
             Shipped.shipped(h, idx, Xfer(handle, src, int(dd[:, 1].sum()), t0))
 

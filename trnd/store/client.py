@@ -300,6 +300,7 @@ class StoreClient(Links):
                 try:
                     handle = self.agent.read(s.peer, dstd, src)
                 except ConnectionError as e:
+                    self.xfer_metrics.failed("store_read", s.addr)
                     log.warning("%s", e)
                     n = min(n, pos[take[0]])
                     continue
@@ -365,6 +366,7 @@ class StoreClient(Links):
             try:
                 handle = self.agent.write(s.peer, sd, dd, b"")
             except ConnectionError as e:
+                self.xfer_metrics.failed("store_write", s.addr)
                 log.warning("%s", e)
                 return have
             xfer = self._track(handle, [], "store_write", s.addr, len(local) * self.page_bytes)

@@ -61,6 +61,10 @@ class TransferMetrics:
         else:
             self.failures.labels(*self._labels(op, peer)).inc()
 
+    def failed(self, op: str, peer: str) -> None:
+        """A transfer that could not even start (the post was refused)."""
+        self.failures.labels(*self._labels(op, peer)).inc()
+
     def _labels(self, op: str, peer: str) -> tuple[str, ...]:
         return (op, peer) if self.model_name is None else (self.model_name, op, peer)
 
