@@ -1,4 +1,4 @@
-"""The `trnd` command: serve, prefill, decode, store, top, check, model, bench."""
+"""The `trnd` command: serve, prefill, decode, store, top, check, points, model, compile, bench."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--aggregated", action="store_const", const=True,
                    help="one process (API + engine); default: a local prefill + decode deployment")
     p.add_argument("--point", help="decode point of the local deployment (configs/points.toml; default 8k)")
+    p.add_argument("--static", action="store_const", const=True,
+                   help="pad every step to the decode point's buckets, one compiled graph each (engine/static.py)")
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="load every bucket's graph from a `trnd compile` output (implies --static); refuses a "
+                        "cache built for another model, point, dtype or torch")
     p.add_argument("--prefill", dest="num_prefill", type=int, metavar="N",
                    help="local deployment: N prefill servers (default 1); every decode server uses all of them")
     p.add_argument("--decode", dest="num_decode", type=int, metavar="M",
@@ -78,6 +83,11 @@ def _role_flags(p) -> None:
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False)
     p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
     p.add_argument("--store", action="append", metavar="HOST:PORT", help="L3: a remote KV store (repeatable)")
+    p.add_argument("--static", action="store_const", const=True,
+                   help="pad every step to the decode point's buckets, one compiled graph each (engine/static.py)")
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="load every bucket's graph from a `trnd compile` output (implies --static); refuses a "
+                        "cache built for another model, point, dtype or torch")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -189,6 +199,21 @@ def _bench_parser(sub) -> None:
     t.add_argument("--tiers", default="off,l2,l3,l2+l3", help="configurations, in order (off, l2, l3, l2+l3)")
 
 
+def _compile_parser(sub) -> None:
+    p = sub.add_parser("compile", help="build every bucket's graph of a decode point ahead of time (a compile cache)",
+                       description="Build a decode point's static graphs ahead of time with torch.compile into DIR "
+                                   "(torch's Inductor and AOTAutograd caches + manifest.json); a role started with "
+                                   "--compile-cache DIR then loads them and compiles nothing. The CPU backend runs "
+                                   "here; cuda and neuron take the same command on their hosts.")
+    p.add_argument("--point", required=True, help="decode point (configs/points.toml)")
+    p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory or preset name")
+    p.add_argument("--out", required=True, metavar="DIR", help="the cache directory (created)")
+    _compute_flags(p)
+    p.add_argument("--kv-memory-gb", type=float,
+                   help="the roles' kv_memory_gb (default 1.0): the pool's page count is a dimension of every graph")
+    p.add_argument("--threads", type=int, help="torch intra-op threads while compiling")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trnd", description="LLM serving daemon (OpenAI API, paged KV cache, "
                                                               "disaggregated prefill/decode)")
@@ -205,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_store_args(sub)
     _router_parser(sub)
     _model_parser(sub)
+    _compile_parser(sub)
     _bench_parser(sub)
     return parser
 
@@ -289,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             path = make_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype)
             print(f"trnd: wrote {args.preset} {args.arch} model (seed {args.seed}) to {path}")
             return 0
+        if args.cmd == "compile":
+            from trnd import compile_cache
+
+            return compile_cache.run(args)
         if args.cmd == "bench":
             import importlib
 

@@ -78,6 +78,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # How this model writes tool calls and reasoning (docs/API.md); "none" turns a parser off.
     tool_call_parser: str = "hermes"  # hermes (Qwen2.5/Qwen3, the default model) | llama3_json | none
     reasoning_parser: str = "none"  # qwen3 | deepseek_r1 | none
+    static: bool = False  # every step padded to the point's buckets, one compiled graph each (engine/static.py)
+    compile_cache: str | None = None  # a `trnd compile` output dir: its graphs are loaded, none compiled (implies static)
 
     def __post_init__(self):
         _check_common(self)
@@ -111,6 +113,7 @@ def _check_common(cfg) -> None:
         if point not in known:
             raise msgspec.ValidationError(f"point = {point!r} is not a known decode point (known: "
                                           f"{', '.join(sorted(known))}) - at `$.point`")
+    _check_static(cfg)
     for field, allowed in choices.items():
         if field not in cfg.__struct_fields__:  # each role's config has its own subset
             continue
@@ -120,6 +123,19 @@ def _check_common(cfg) -> None:
         if value not in allowed:
             shown = ", ".join(str(a) for a in allowed if a is not None)
             raise msgspec.ValidationError(f"{field} = {value!r} is not one of {shown} - at `$.{field}`")
+
+
+def _check_static(cfg) -> None:
+    """The static path runs one rank on model-dtype pages (engine/static.py); a compile cache is its graphs."""
+    if "static" not in cfg.__struct_fields__:
+        return
+    static = cfg.static or cfg.compile_cache is not None
+    field = "static" if cfg.static else "compile_cache"
+    if static and cfg.tp > 1:
+        raise msgspec.ValidationError(f"{field} runs one rank: tp = {cfg.tp} must be 1 - at `$.{field}`")
+    if static and cfg.kv_cache_dtype != "auto":
+        raise msgspec.ValidationError(f"{field} keeps KV in the model dtype: kv_cache_dtype = {cfg.kv_cache_dtype!r} "
+                                      f"runs on the eager path - at `$.{field}`")
 
 
 def load_config(cls: type[msgspec.Struct], path: str | Path | None, overrides: dict | None = None):
@@ -162,6 +178,8 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     store: list[str] = msgspec.field(default_factory=list)  # L3 remote KV stores, host:port; [] = off
     store_on_finish: bool = True  # write finished requests' full pages to L3 (sessions across roles)
     store_deadline_s: Annotated[float, Meta(gt=0)] = 1.0  # a slower store is a cache miss
+    static: bool = False  # every step padded to the point's buckets, one compiled graph each (engine/static.py)
+    compile_cache: str | None = None  # a `trnd compile` output dir: its graphs are loaded, none compiled (implies static)
 
     def __post_init__(self):
         _check_common(self)

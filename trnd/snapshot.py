@@ -170,6 +170,21 @@ class Capacity(_S):
     tokens_per_sequence_at_full_batch: int | None = None
 
 
+class Static(_S):
+    """The static, bucketed path (engine/static.py): the point's buckets, and what torch compiled or loaded
+    for them in this process (its own counters: inductor's FX graph cache hits and misses)."""
+    point: str | None = None
+    compiler: str | None = None
+    decode_buckets: list[int] = []
+    prefill_buckets: list[int] = []
+    widths: list[int] = []  # page-table widths (pages), powers of two up to max_context / page_size
+    graphs: int = 0  # every bucket of the point
+    used: int = 0  # buckets run (or warmed) so far
+    loaded: int = 0  # graphs loaded from the compile cache
+    compiled: int = 0  # graphs compiled in this process
+    compile_cache: str | None = None  # the `trnd compile` dir this role loaded
+
+
 class Integrity(_S):
     """The page-pool check the engine loop runs whenever it goes idle (engine/state.py)."""
     ok: bool = True
@@ -294,6 +309,7 @@ class State(msgspec.Struct, kw_only=True, omit_defaults=True):
     layout: Layout | None = None
     limits: Limits | None = None
     capacity: Capacity | None = None
+    static: Static | None = None
     integrity: Integrity | None = None
     # disaggregated roles (and the router: its targets are its peers)
     transfers: Transfers | None = None

@@ -293,12 +293,15 @@ class Completion(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
-class ModelCard(msgspec.Struct):
+class ModelCard(msgspec.Struct, omit_defaults=True):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int
+    point: str | None = None  # a disaggregated role's decode point, and what its pool really holds under it
+    capacity: dict | None = None  # as /admin/state `capacity` (trnd/points.py: Capacity)
+    static: bool | None = None  # steps padded to the point's buckets (engine/static.py)
 
 
 class ModelList(msgspec.Struct):

@@ -358,5 +358,9 @@ class Job:
 async def models(request: Request) -> Response:
     st = state_of(request)
     await st.wait_serving()
-    card = P.ModelCard(st.model_name, "model", int(st.started), "trnd", st.loop.engine.max_model_len)
+    engine = st.loop.engine
+    extra = st.state_extra() if st.state_extra is not None else {}
+    cap = extra.get("capacity")
+    card = P.ModelCard(st.model_name, "model", int(st.started), "trnd", engine.max_model_len, extra.get("point"),
+                       msgspec.structs.asdict(cap) if cap is not None else None, True if engine.cfg.static else None)
     return json_response(P.ModelList("list", [card]))

@@ -66,6 +66,7 @@ class EngineConfig:
     role: str = "serve"  # names this process's NIXL agent
     static: bool = False  # pad steps to the point's shape buckets, compiled per bucket (engine/static.py)
     point: str | None = None  # decode point whose buckets the static path uses; None: derived from this config
+    compiler: str | None = None  # the static path's torch.compile backend; None: static.COMPILERS for the device
 
     def __post_init__(self):
         if self.static and self.tp > 1:
@@ -143,7 +144,7 @@ class Engine:
             point = resolve_point(cfg.point, page_size=cfg.page_size, max_batch=cfg.max_batch,
                                   chunk_size=cfg.chunk_size, max_context=min(
                                       cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size))
-            self.runner = StaticRunner(self.model, mc, self.pools[0], point, self.scratch_page)
+            self.runner = StaticRunner(self.model, mc, self.pools[0], point, self.scratch_page, compiler=cfg.compiler)
         else:
             self.runner = ModelRunner(self.model, mc, self.pools[0])
         # Per-peer transfer metrics of this process (transfer/metrics.py): the store client's reads and
@@ -167,6 +168,9 @@ class Engine:
             log.info("kv cache %s: %d-byte pages (values + per-block scales); attention dequantizes on the fly "
                      "in the torch ops", cfg.kv_cache_dtype, self.runner.page_bytes)
         self._grammars = None
+        self.compile_cache: str | None = None  # the `trnd compile` dir the role loaded (trnd/compile_cache.py)
+        if cfg.static:
+            log.info(self.runner.summary())
 
     @property
     def namespace(self) -> str:

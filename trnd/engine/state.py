@@ -88,6 +88,7 @@ def engine_state(engine) -> S.State:
                         ranks=[S.Rank(**r) for r in ranks]),
         limits=S.Limits(max_model_len=engine.max_model_len, max_batch=engine.cfg.max_batch,
                         token_budget=engine.cfg.token_budget, chunk_size=engine.cfg.chunk_size),
+        static=static_state(engine),
         integrity=engine.integrity,
     )
 
@@ -103,3 +104,14 @@ def request_traces(engine, rid: str) -> list[S.Trace]:
     out = [trace.record(r, _phase(engine, r)) for r in live if match(r.rid)]
     seen = {t.id for t in out}
     return out + [t for r, t in engine.recent.items() if match(r) and r not in seen]
+
+
+def static_state(engine) -> S.Static | None:
+    runner = engine.runner
+    if not engine.cfg.static:
+        return None
+    loaded, compiled = runner.counts()
+    return S.Static(point=runner.point.name or None, compiler=str(runner.compiler),
+                    decode_buckets=runner.decode_buckets, prefill_buckets=runner.prefill_buckets,
+                    widths=runner.widths, graphs=len(runner.buckets()), used=len(runner.used), loaded=loaded,
+                    compiled=compiled, compile_cache=engine.compile_cache)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch._dynamo
+from torch._dynamo.utils import counters
 
 from kernels.attention import AttnMeta
 from trnd.engine.runner import ModelRunner, StepInputs
@@ -108,13 +109,34 @@ class StaticRunner(ModelRunner):
         dyn = torch._dynamo.config
         dyn.recompile_limit = max(dyn.recompile_limit, n)
         dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 2 * n)
-        opts = dict(backend=compiler or COMPILERS.get(self.device.type, "eager"), fullgraph=True, dynamic=False)
+        self.compiler = compiler or COMPILERS.get(self.device.type, "eager")
+        opts = dict(backend=self.compiler, fullgraph=True, dynamic=False)
         self._decode = torch.compile(_own_code(self._decode_graph), **opts)
         self._prefill = torch.compile(_own_code(self._prefill_graph), **opts)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._graphs: dict[tuple[int, int], tuple[list[torch.Tensor], torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
         self.used: set[tuple[str, int, int]] = set()  # ("decode", B, W) / ("prefill", T, W) run so far
+
+    def buckets(self) -> list[tuple[str, int, int]]:
+        """Every graph of the point: ("decode", B, W) and ("prefill", T, W)."""
+        return ([("decode", b, w) for b in self.decode_buckets for w in self.widths]
+                + [("prefill", t, w) for t in self.prefill_buckets for w in self.widths])
+
+    def counts(self) -> tuple[int, int]:
+        """(graphs loaded from torch's compile cache, graphs compiled) in this process, from torch's own
+        counters: inductor's FX graph cache hits and misses; a tracing-only backend (eager) compiles every
+        graph dynamo captures and loads none."""
+        if self.compiler != "inductor":
+            return 0, counters["stats"]["unique_graphs"]
+        c = counters["inductor"]
+        return c["fxgraph_cache_hit"], c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"]
+
+    def summary(self) -> str:
+        n_d, n_p, n_w = len(self.decode_buckets), len(self.prefill_buckets), len(self.widths)
+        return (f"static path: point {self.point.name or '(derived)'}, decode buckets {self.decode_buckets}, "
+                f"prefill buckets {self.prefill_buckets}, {n_w} page-table widths up to {self.widths[-1]}: "
+                f"{(n_d + n_p) * n_w} graphs, compiler {self.compiler}")
 
     # -- the compiled regions: shapes are the bucket's, everything else is tensor data ---------------------
 

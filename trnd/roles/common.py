@@ -18,17 +18,27 @@ log = logging.getLogger("trnd.role")
 
 
 def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
-                 max_model_len: int | None = None) -> tuple[Engine, DecodePoint]:
+                 max_model_len: int | None = None, compiler: str | None = None) -> tuple[Engine, DecodePoint]:
     """The engine of a disaggregated role (cfg: PrefillConfig or DecodeConfig), shaped by its point:
     page size, max context, max batch and prefill chunk come from the point, the pool from the
     memory budget; refuses to start if one max-context sequence cannot fit, or if the model is not
-    configured for the point's max context (max_position_embeddings, or its rope scaling)."""
+    configured for the point's max context (max_position_embeddings, or its rope scaling).
+    static (or compile_cache): every step padded to the point's buckets (engine/static.py); with a
+    compile cache (trnd/compile_cache.py) every bucket's graph is loaded from it before this returns."""
     from trnd.transfer.nixl import bind_for
 
     # UCX listens on one interface only: prefill's (where decode servers reach it), decode's toward
     # its peers (its API's host says nothing about where prefill reaches its pool)
     bind_for(None if role == "decode" else cfg.host, [*getattr(cfg, "prefill", []), *cfg.store])
     point = get_point(cfg.point)
+    cache = None
+    if cfg.compile_cache is not None:
+        from trnd import compile_cache
+
+        cache = compile_cache.read(cfg.compile_cache)
+        compile_cache.use(cfg.compile_cache)
+        compiler = cache.compiler
+    static = cfg.static or cache is not None
     dtype, _ = resolve_dtype(cfg.dtype, cfg.backend)  # the pool's page bytes follow the computed dtype
     mc = ModelConfig.from_dir(model_dir, dtype)
     from trnd.engine.runner import kv_page_bytes
@@ -40,7 +50,7 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
     h0, h1 = TPGroup(0, cfg.tp).kv_heads(mc.num_kv_heads)
     page_bytes = kv_page_bytes(mc, h1 - h0, point.page_size, cfg.kv_cache_dtype)
     num_pages = int(cfg.kv_memory_gb * 2**30) // page_bytes
-    need = point.pool_pages_needed()
+    need = point.pool_pages_needed() + static  # the static path's scratch page is never handed out
     if num_pages < need:
         raise StartupError(
             f"point {point.name!r} needs {need} pages of {point.page_size} tokens for one {point.max_context}-token "
@@ -55,8 +65,15 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
                                  host_cache_gb=cfg.host_cache_gb,
                                  host_policy=cfg.host_policy, node_host_memory_gb=cfg.node_host_memory_gb,
                                  store=list(cfg.store), store_secret=secret, store_on_finish=cfg.store_on_finish,
-                                 store_deadline_s=cfg.store_deadline_s, role=role))
+                                 store_deadline_s=cfg.store_deadline_s, role=role, static=static,
+                                 point=point.name if static else None, compiler=compiler))
     log.info(point_capacity(engine, point).line())
+    if cache is not None:
+        try:
+            compile_cache.load(engine, point, cfg.compile_cache, cache)
+        except BaseException:
+            engine.close()
+            raise
     return engine, point
 
 

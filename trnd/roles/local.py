@@ -59,7 +59,8 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
             "kv_memory_gb": cfg.kv_memory_gb, "prefix_cache": cfg.prefix_cache, "threads": cfg.threads,
             "secret_file": str(secret), "log_level": cfg.log_level, "host_cache_gb": cfg.host_cache_gb,
             "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb,
-            "store": list(cfg.store), "store_on_finish": cfg.store_on_finish, "store_deadline_s": cfg.store_deadline_s}
+            "store": list(cfg.store), "store_on_finish": cfg.store_on_finish, "store_deadline_s": cfg.store_deadline_s,
+            "static": cfg.static, "compile_cache": cfg.compile_cache}
     children, controls = [], []
     for i in range(cfg.num_prefill):
         control = cfg.prefill_control_port + i if cfg.prefill_control_port else free_port()

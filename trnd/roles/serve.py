@@ -26,6 +26,11 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
         model = resolve_model(cfg.model)
         ModelConfig.from_dir(model)  # a bad model is one line here, not one per child
         return local.run(cfg, str(model), reload_source)
+    if cfg.compile_cache is not None:
+        from trnd.config import ConfigError
+
+        raise ConfigError("compile_cache holds a decode point's graphs: it serves the prefill and decode roles (trnd "
+                          "serve without --aggregated); --aggregated takes --static alone - at `$.compile_cache`")
     with Lifecycle("serve", cfg, reload_source) as life:
         from trnd.transfer.nixl import bind_for
 
@@ -41,7 +46,7 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
                                  host_cache_gb=cfg.host_cache_gb, host_policy=cfg.host_policy,
                                  node_host_memory_gb=cfg.node_host_memory_gb, store=list(cfg.store),
                                  store_secret=cfg.resolved_secret_optional(), store_on_finish=cfg.store_on_finish,
-                                 store_deadline_s=cfg.store_deadline_s))
+                                 store_deadline_s=cfg.store_deadline_s, static=cfg.static))
         try:
             life.status("warming up")
             log.info("warm-up took %.2f s", warm_up(engine))

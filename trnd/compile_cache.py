@@ -1,0 +1,166 @@
+"""The offline compile cache of a decode point: `trnd compile` builds every bucket's graph ahead of time; a
+role started with `compile_cache = DIR` loads them all before READY and compiles nothing.
+
+The graphs live in torch's own caches, pointed at DIR: TORCHINDUCTOR_CACHE_DIR = DIR/inductor holds
+Inductor's FX graph cache and the AOTAutograd cache (both on by default in torch 2.13). A second process
+that traces the same graph (same model shapes, bucket, dtype, pool size, torch, CPU ISA) finds each entry by
+its key and skips AOTAutograd, Inductor's codegen and the C++ compile; dynamo still traces each bucket's
+bytecode, which is what a cache hit costs. torch's counters (fxgraph_cache_hit / _miss) prove it: they are
+the "loaded" and "compiled" of the start-up line and of /admin/state `static`.
+
+DIR/manifest.json (msgspec JSON, never pickle) names what the graphs were built for; a role refuses a cache
+built for another model, point, dtype, pool, backend, torch, trnd or CPU ISA with the field and both values.
+The entries themselves are torch's own files (torch pickles them): DIR is trusted like the weights, built by
+the operator on a host they own, never taken from the network.
+
+Backends: CPU (Inductor's C++ codegen) is what runs and is tested here. CUDA would run this very command
+(Inductor again, the same two caches; the CUDA graphs are captured at start from the loaded kernels); the
+Neuron backend's compiler keeps its NEFFs in its own cache. Neither is available on this host, and nothing
+here claims they were run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+
+import msgspec
+
+from trnd.config import StartupError
+
+log = logging.getLogger("trnd.compile")
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+COMPILERS = {"cpu": "inductor", "cuda": "inductor", "neuron": "neuron"}  # torch.compile backend per device
+
+
+class CacheManifest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a compile cache was built for. The model is its config.json + tokenizer.json hash (the KV
+    namespace's key, model/config.py: fingerprint): graphs take the weights as inputs (Inductor's freezing is
+    off), so the same architecture with other weights reuses them, and another architecture never does."""
+    format: int = FORMAT
+    model: str  # fingerprint
+    model_dir: str  # where it was built from (shown, not checked)
+    point: str
+    shape: str  # the point's shape contract: page size, max context, batch, chunk, buckets
+    dtype: str
+    kv_pages: int  # the pool's page count is a dimension of every graph (kv_memory_gb / page bytes)
+    backend: str
+    compiler: str
+    torch: str
+    trnd: str
+    cpu_isa: str
+    graphs: list[tuple[str, int, int]]  # ("decode", B, W) / ("prefill", T, W)
+    seconds: float = 0.0
+
+
+CHECKED = ("format", "model", "point", "shape", "dtype", "kv_pages", "backend", "compiler", "torch", "trnd", "cpu_isa")
+
+
+def trnd_version() -> str:
+    try:
+        return metadata.version("trnd")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def describe(engine, point, backend: str, graphs: list | None = None) -> CacheManifest:
+    """The manifest this engine's graphs would have."""
+    import torch
+
+    from kernels.cpuinfo import cpu_info
+    from trnd.model.config import fingerprint
+
+    p = point
+    shape = (f"page_size {p.page_size}, max_context {p.max_context}, max_batch {p.max_batch}, prefill_chunk "
+             f"{p.prefill_chunk}, decode_buckets {sorted(p.decode_buckets)}, prefill_buckets {sorted(p.prefill_buckets)}")
+    return CacheManifest(model=fingerprint(Path(engine.cfg.model)), model_dir=str(engine.cfg.model), point=p.name,
+                         shape=shape, dtype=str(engine.model_config.dtype).removeprefix("torch."),
+                         kv_pages=engine.pool.num_pages, backend=backend, compiler=str(engine.runner.compiler),
+                         torch=str(torch.__version__), trnd=trnd_version(),
+                         cpu_isa=cpu_info().isa if backend == "cpu" else "-",
+                         graphs=graphs if graphs is not None else engine.runner.buckets())
+
+
+def use(cache_dir: str | Path) -> Path:
+    """Point torch's compile caches at DIR (before anything compiles in this process)."""
+    d = Path(os.path.expandvars(str(cache_dir))).resolve()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d / "inductor")
+    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "1"
+    os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "1"
+    return d
+
+
+def read(cache_dir: str | Path) -> CacheManifest:
+    """DIR's manifest, or one line saying why there is none to trust."""
+    path = Path(os.path.expandvars(str(cache_dir))) / MANIFEST
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=CacheManifest)
+    except FileNotFoundError:
+        raise StartupError(f"compile_cache = {str(cache_dir)!r}: no {MANIFEST} there (build it with "
+                           "`trnd compile --point NAME --model M --out DIR`)") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise StartupError(f"compile_cache = {str(cache_dir)!r}: {MANIFEST} is not a trnd compile manifest: "
+                           f"{e}".replace("\n", " ")) from None
+
+
+def mismatch(built: CacheManifest, ours: CacheManifest) -> str | None:
+    for field in CHECKED:
+        a, b = getattr(built, field), getattr(ours, field)
+        if a != b:
+            return f"{field} = {a!r} in the cache, {b!r} in this role"
+    return None
+
+
+def load(engine, point, cache_dir: str | Path, built: CacheManifest) -> tuple[int, int]:
+    """Check the cache against this engine, then run every bucket once (on padding that writes only the
+    scratch page): each graph comes from the cache. Returns (loaded, compiled)."""
+    why = mismatch(built, describe(engine, point, engine.cfg.backend))
+    if why is not None:
+        raise StartupError(f"compile_cache = {str(cache_dir)!r} was built for another setup: {why} (rebuild it "
+                           "with trnd compile, or start without compile_cache)")
+    t0 = time.perf_counter()
+    engine.runner.warmup()
+    loaded, compiled = engine.runner.counts()
+    engine.compile_cache = str(cache_dir)
+    line = (f"compile cache {cache_dir}: {loaded} graphs loaded, {compiled} compiled "
+            f"({len(built.graphs)} in the manifest, {time.perf_counter() - t0:.1f} s)")
+    (log.warning if compiled else log.info)(line)
+    return loaded, compiled
+
+
+def run(args) -> int:
+    """`trnd compile`: build the engine a role would build for the point (same pool, same shapes), compile
+    every bucket, write the manifest."""
+    from trnd.config import PrefillConfig, load_config
+    from trnd.log import setup_logging
+    from trnd.model.maker import resolve_model
+    from trnd.roles.common import build_engine
+
+    cfg = load_config(PrefillConfig, None, {"model": args.model, "point": args.point, "dtype": args.dtype,
+                                            "kv_cache_dtype": args.kv_cache_dtype, "backend": args.backend, "kv_memory_gb": args.kv_memory_gb,
+                                            "threads": args.threads, "prefix_cache": False, "static": True})
+    from trnd.cli import _check_backend
+
+    _check_backend(cfg.backend)
+    setup_logging("warning")
+    out = use(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model(cfg.model)
+    t0 = time.perf_counter()
+    engine, point = build_engine(model_dir, cfg, role="compile", secret=None, compiler=COMPILERS[cfg.backend])
+    try:
+        engine.runner.warmup()
+        loaded, compiled = engine.runner.counts()
+        m = describe(engine, point, cfg.backend)
+        m.seconds = round(time.perf_counter() - t0, 1)
+        (out / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(m)))
+    finally:
+        engine.close()
+    print(f"trnd compile: point {point.name}, {len(m.graphs)} graphs ({compiled} compiled, {loaded} already in the "
+          f"cache) for {model_dir} ({m.dtype}, {m.kv_pages} KV pages, {m.compiler}) in {m.seconds} s -> {out}")
+    return 0
