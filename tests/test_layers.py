@@ -20,7 +20,7 @@ FLOORS = [
     ["trnd.backends", "trnd.daemon", "trnd.transfer", "trnd.top"],
     ["trnd.cache", "trnd.model", "trnd.store"],
     ["trnd.engine"],
-    ["trnd.api", "trnd.llm"],
+    ["trnd.api", "trnd.llm", "trnd.compile_cache"],
     ["trnd.router"],
     ["trnd.roles", "trnd.bench", "trnd.check", "trnd.points_report"],
     ["trnd.cli"],

@@ -184,6 +184,11 @@ def _bench_parser(sub) -> None:
     kva = bsub.add_parser("kv-accuracy", help="fp8 KV pages vs model-dtype KV (transformers the oracle): logit "
                                               "differences and greedy agreement")
     kv_accuracy.add_arguments(kva)
+    from trnd.bench import longctx
+
+    lc = bsub.add_parser("longctx", help="the long-context curve on the 1m point: prefill tok/s by context and the "
+                                         "decode step there (tiny model, RoPE scaled to the point)")
+    longctx.add_arguments(lc)
     t = bsub.add_parser("tiers", help="multi-turn agentic replay: tiers off vs host L2 vs L2 + remote L3")
     t.add_argument("--model", default="small", help="model dir or preset (default small)")
     t.add_argument("--point", default="8k")
@@ -316,9 +321,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trnd: wrote {args.preset} {args.arch} model (seed {args.seed}) to {path}")
             return 0
         if args.cmd == "compile":
-            from trnd import compile_cache
+            from trnd.roles import compile as compile_role
 
-            return compile_cache.run(args)
+            return compile_role.run(args)
         if args.cmd == "bench":
             import importlib
 
