@@ -5,8 +5,8 @@
 The model is the `tiny` preset (Llama layout) with llama3 RoPE scaling, factor 128 over 8192 original
 positions = 1,048,576: the role's position check (trnd/points.py) passes because the config really reaches
 the point, and the rotary frequencies used are the scaled ones (kernels/rotary.py). The engine is the one a
-prefill role builds for the point (roles/common.py: build_engine: page size, chunk, batch and the pool from
-the point), on the eager path.
+prefill role builds for the point (roles/common.py: build_engine: page size, chunk and batch from the point,
+a pool of one full-length sequence, after the same position check), on the eager path.
 
 One prompt is served in growing prefixes: the request for length L finds the previous length's pages in the
 prefix cache and computes only the new tokens, in the point's chunks, then decodes --decode-steps tokens at
@@ -51,20 +51,22 @@ def long_model(max_context: int) -> Path:
 
 
 def _engine(model_dir: Path, point_name: str, dtype: str, threads: int | None):
+    """The engine a prefill role builds for the point (roles/common.py: build_engine): page size, chunk and
+    batch from the point, a pool for one full-length sequence, after the same position check."""
     from trnd.backends import resolve_dtype
-    from trnd.config import PrefillConfig, load_config
-    from trnd.engine.runner import kv_page_bytes
+    from trnd.engine.engine import Engine, EngineConfig
     from trnd.model.config import ModelConfig
-    from trnd.points import get_point
-    from trnd.roles.common import build_engine
+    from trnd.points import check_positions, get_point
 
     point = get_point(point_name)
     mc = ModelConfig.from_dir(model_dir, resolve_dtype(dtype)[0])
-    page = kv_page_bytes(mc, mc.num_kv_heads, point.page_size)
-    gb = (point.pool_pages_needed() + 64) * page / 2**30  # one full-length sequence and a margin
-    cfg = load_config(PrefillConfig, None, {"model": str(model_dir), "point": point_name, "dtype": dtype,
-                                            "kv_memory_gb": gb, "threads": threads})
-    engine, point = build_engine(model_dir, cfg, role="bench", secret=None)
+    why = check_positions(point, mc.max_position_embeddings, mc.rope_scaling)
+    if why is not None:
+        raise SystemExit(why)
+    engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, page_size=point.page_size,
+                                 num_pages=point.pool_pages_needed() + 64, max_model_len=point.max_context,
+                                 max_batch=point.max_batch, token_budget=point.prefill_chunk,
+                                 chunk_size=point.prefill_chunk, threads=threads, role="bench"))
     return engine, point
 
 
@@ -129,10 +131,11 @@ def main(args) -> int:
     from trnd.points import get_point
 
     point = get_point(args.point)
-    lengths = sorted(int(x) for x in args.lengths.split(",") if x.strip())
-    if not lengths or lengths[-1] + args.decode_steps + 1 > point.max_context:
-        raise SystemExit(f"--lengths: the longest plus --decode-steps must fit the point's max_context "
-                         f"{point.max_context}")
+    top = point.max_context - args.decode_steps - 1  # the prompt and its decoded tokens within the point
+    lengths = sorted({min(int(x), top) for x in args.lengths.split(",") if x.strip()})
+    if not lengths or lengths[0] < 1:
+        raise SystemExit(f"--lengths: give context lengths from 1 to {top} (the point's max_context less "
+                         "--decode-steps + 1)")
     model_dir = Path(args.model) if args.model else long_model(point.max_context)
     print(cpu_line(), flush=True)
     engine, point = _engine(model_dir, args.point, args.dtype, args.threads)
