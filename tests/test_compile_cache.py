@@ -152,3 +152,22 @@ def test_no_manifest_and_static_config_errors_are_one_line(tmp_path, tiny_qwen3,
         load_config(PrefillConfig, None, {"static": True, "tp": 2})
     with pytest.raises(ConfigError, match=r"compile_cache keeps KV in the model dtype.*fp8_e4m3"):
         load_config(PrefillConfig, None, {"compile_cache": "/x", "kv_cache_dtype": "fp8_e4m3"})
+
+
+def test_a_static_role_without_a_cache_shows_its_buckets(tiny_qwen3, env, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    ap = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trnd", "prefill", "--model", str(tiny_qwen3), "--point", "ct",
+                             "--static", "--secret-file", str(secret), "--threads", "1", "--kv-memory-gb", KV_GB,
+                             "--control-port", str(free_port()), "--admin-port", str(ap)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_ready(ap, proc)
+        s = admin_state(ap)["static"]
+        assert (s["point"], s["decode_buckets"], s["prefill_buckets"], s["widths"], s["graphs"], s["loaded"]) == \
+            ("ct", [2], [16], [1, 2], 4, 0)
+        assert s["compiler"] == "eager" and "compile_cache" not in s
+    finally:
+        out = stop(proc)
+    assert "static path: point ct, decode buckets [2], prefill buckets [16]" in out

@@ -108,11 +108,15 @@ def read(cache_dir: str | Path) -> CacheManifest:
                            f"{e}".replace("\n", " ")) from None
 
 
+HINTS = {"kv_pages": " (the pool's pages follow kv_memory_gb: give trnd compile the roles' --kv-memory-gb)",
+         "cpu_isa": " (trnd check cpu; TRND_CPU_ISA caps it)"}
+
+
 def mismatch(built: CacheManifest, ours: CacheManifest) -> str | None:
     for field in CHECKED:
         a, b = getattr(built, field), getattr(ours, field)
         if a != b:
-            return f"{field} = {a!r} in the cache, {b!r} in this role"
+            return f"{field} = {a!r} in the cache, {b!r} in this role{HINTS.get(field, '')}"
     return None
 
 

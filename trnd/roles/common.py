@@ -68,6 +68,9 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
                                  store_deadline_s=cfg.store_deadline_s, role=role, static=static,
                                  point=point.name if static else None, compiler=compiler))
     log.info(point_capacity(engine, point).line())
+    if static and cache is None:
+        log.info("static path without a compile cache: each bucket is compiled on its first use (`trnd compile` "
+                 "builds them ahead; compile_cache loads them)")
     if cache is not None:
         try:
             compile_cache.load(engine, point, cfg.compile_cache, cache)
