@@ -1,7 +1,7 @@
 """`trnd compile` then roles that load its graphs: a real local deployment (prefill + decode processes) on the
 static path with the cache compiles nothing (torch's own counters, in /admin/state and the start-up line)
 and answers greedy requests token for token like the eager path; a cache built for another model, point,
-dtype or torch is refused in one line naming the field and both values, exit 78.
+dtype, torch or thread count is refused in one line naming the field and both values, exit 78.
 """
 
 from __future__ import annotations
@@ -128,9 +128,10 @@ def test_a_cache_built_for_another_setup_is_refused_naming_the_field(cache, tiny
         "point": _prefill(tiny_qwen3, cache, env, tmp_path, "--point", "ct-twin"),
         "dtype": _prefill(tiny_qwen3, cache, env, tmp_path, "--point", "ct", "--dtype", "bfloat16"),
         "torch": _prefill(tiny_qwen3, old_torch, env, tmp_path, "--point", "ct"),
+        "threads": _prefill(tiny_qwen3, cache, env, tmp_path, "--point", "ct", "--threads", "2"),
     }
     shown = {"model": None, "point": ("'ct'", "'ct-twin'"), "dtype": ("'float32'", "'bfloat16'"),
-             "torch": ("'2.12.0+cpu'", f"'{m['torch']}'")}
+             "torch": ("'2.12.0+cpu'", f"'{m['torch']}'"), "threads": ("= 1 in the cache, 2 in this role",)}
     for field, proc in cases.items():
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 78, (field, err[-2000:])

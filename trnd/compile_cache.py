@@ -9,7 +9,8 @@ bytecode, which is what a cache hit costs. torch's counters (fxgraph_cache_hit /
 the "loaded" and "compiled" of the start-up line and of /admin/state `static`.
 
 DIR/manifest.json (msgspec JSON, never pickle) names what the graphs were built for; a role refuses a cache
-built for another model, point, dtype, pool, backend, torch, trnd or CPU ISA with the field and both values.
+built for another model, point, dtype, pool, backend, torch, trnd, CPU ISA or thread count with the field and
+both values (measured: a cache built at 2 threads is all misses at 1).
 The entries themselves are torch's own files (torch pickles them): DIR is trusted like the weights, built by
 the operator on a host they own, never taken from the network.
 
@@ -54,11 +55,13 @@ class CacheManifest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     torch: str
     trnd: str
     cpu_isa: str
+    threads: int  # Inductor's C++ kernels are generated for the intra-op thread count (another count misses)
     graphs: list[tuple[str, int, int]]  # ("decode", B, W) / ("prefill", T, W)
     seconds: float = 0.0
 
 
-CHECKED = ("format", "model", "point", "shape", "dtype", "kv_pages", "backend", "compiler", "torch", "trnd", "cpu_isa")
+CHECKED = ("format", "model", "point", "shape", "dtype", "kv_pages", "backend", "compiler", "torch", "trnd", "cpu_isa",
+           "threads")
 
 
 def trnd_version() -> str:
@@ -82,7 +85,7 @@ def describe(engine, point, backend: str, graphs: list | None = None) -> CacheMa
                          shape=shape, dtype=str(engine.model_config.dtype).removeprefix("torch."),
                          kv_pages=engine.pool.num_pages, backend=backend, compiler=str(engine.runner.compiler),
                          torch=str(torch.__version__), trnd=trnd_version(),
-                         cpu_isa=cpu_info().isa if backend == "cpu" else "-",
+                         cpu_isa=cpu_info().isa if backend == "cpu" else "-", threads=torch.get_num_threads(),
                          graphs=graphs if graphs is not None else engine.runner.buckets())
 
 
@@ -109,7 +112,8 @@ def read(cache_dir: str | Path) -> CacheManifest:
 
 
 HINTS = {"kv_pages": " (the pool's pages follow kv_memory_gb: give trnd compile the roles' --kv-memory-gb)",
-         "cpu_isa": " (trnd check cpu; TRND_CPU_ISA caps it)"}
+         "cpu_isa": " (trnd check cpu; TRND_CPU_ISA caps it)",
+         "threads": " (give trnd compile the roles' --threads)"}
 
 
 def mismatch(built: CacheManifest, ours: CacheManifest) -> str | None:
