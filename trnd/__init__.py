@@ -2,18 +2,18 @@
 
 import os
 
-# OpenMP (libgomp, torch's CPU runtime) threads wait at barriers between ops. Measured on the 2-core
-# CI machine, bf16 1x768 @ 768x2048: spinning forever (OMP_WAIT_POLICY=ACTIVE-like default) is fast
-# alone (143 us) but 47x slower when another process wants the cores (6.7 ms); sleeping at once
-# (PASSIVE) survives sharing (282 us) but adds ~100 us per op alone. A short spin covers the gaps
-# between one step's ops (a few us of Python each) without holding a core through the gap between steps
-# or while another process wants it: 1000 iterations (~50 us). Served at concurrency 1 while other work
-# shared the cores (load 3-9), the aggregated server's TPOT p50 was 49-59 ms with 20000 iterations and
-# 24-27 ms with 1000 or PASSIVE (docs/RESULTS.md). Processes that know they share the cores (a local
-# prefill + decode deployment, TP ranks) are started with PASSIVE. Set before torch loads its OpenMP
-# runtime; an operator's own settings win.
+# OpenMP (libgomp, torch's CPU runtime) threads wait at barriers between ops: they spin GOMP_SPINCOUNT
+# iterations (libgomp counts ~100 a microsecond), then sleep. Served at concurrency 1 (docs/RESULTS.md,
+# "OpenMP wait policy"): alone on the cores, 20000 (~0.2 ms) gave TPOT p50 12.7-13.1 ms, 5000 14.8, 1000
+# 17.1 (the workers fall asleep in the serial gaps between a step's ops); with other work on the cores,
+# 20000 gave 49-59 ms and 1000 or PASSIVE 24-27 ms (a spinning worker holds the core the thread it waits
+# for needs). So a role that has its cores spins 20000; processes that know they share the cores (a local
+# prefill + decode deployment, TP ranks) are started with GOMP_SPINCOUNT=1000 (roles/local.py). Set before
+# torch loads its OpenMP runtime; an operator's own settings win.
+SHARED_CORES_SPINCOUNT = "1000"
+OMP_SET_BY_OPERATOR = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
 if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 
 def _keep_large_blocks() -> None:

@@ -6,9 +6,8 @@ between regions (its throttled spin count), and every torch op pays a futex wake
 cores, a bf16 768x2048 linear at batch 1 took 47 us from the thread that owned the only pool and
 150 us from the engine thread while the main thread (which loaded the model and warmed it up) still
 held its pool: a 17 -> 26 ms decode step. So the main thread hands its pool back before the engine
-thread starts (`release_threads`, where workers spin: the default; a local prefill + decode pair
-runs OMP_WAIT_POLICY=PASSIVE, where nothing spins), and helper threads that copy pages stay
-single-threaded (`single_threaded`) instead of growing pools of their own.
+thread starts (`release_threads`, unless OMP_WAIT_POLICY=PASSIVE, where nothing spins anyway), and helper
+threads that copy pages stay single-threaded (`single_threaded`) instead of growing pools of their own.
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ def release_threads() -> None:
     """Free the calling thread's worker pool (OpenMP 5 omp_pause_resource_all, soft pause); a later
     parallel region on this thread would start a new one. Only where workers spin (the default)."""
     if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
-        return  # workers never spin, so there is no throttling to avoid (and measured: releasing cost
-        # the local prefill + decode pair, which runs PASSIVE, 229 -> 189 tok/s at concurrency 16)
+        return  # workers never spin, so there is no throttling to avoid
     lib = _libgomp()
     if lib is not None and hasattr(lib, "omp_pause_resource_all"):
         lib.omp_pause_resource_all(1)  # omp_pause_soft

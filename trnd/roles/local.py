@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from trnd import OMP_SET_BY_OPERATOR, SHARED_CORES_SPINCOUNT
 from trnd.config import ConfigError, ServeConfig
 from trnd.procs import EX_CONFIG, die_with_parent, free_port, is_ready
 
@@ -115,7 +116,8 @@ def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
     from trnd.daemon import notify
 
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the roles share this node's cores (trnd/__init__.py)
+    if not OMP_SET_BY_OPERATOR:  # the roles share this node's cores: a short spin (trnd/__init__.py)
+        env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
     with tempfile.TemporaryDirectory(prefix="trnd-serve-") as tmp:
         children = role_configs(cfg, model, Path(tmp))
         front = children[-1]
