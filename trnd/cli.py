@@ -49,6 +49,13 @@ def _serve_parser(sub) -> None:
                    help="local deployment: N prefill servers (default 1); every decode server uses all of them")
     p.add_argument("--decode", dest="num_decode", type=int, metavar="M",
                    help="local deployment: M decode servers (default 1); with M > 1 `trnd router` serves --port")
+    p.add_argument("--prefill-control-port", type=int, metavar="PORT",
+                   help="local deployment: the first prefill server's control port (the i-th takes PORT + i; "
+                        "default: a free port)")
+    p.add_argument("--prefill-admin-port", type=int, metavar="PORT",
+                   help="local deployment: the first prefill server's admin HTTP port (likewise)")
+    p.add_argument("--decode-port", type=int, metavar="PORT",
+                   help="local deployment with --decode M > 1: the first decode server's API port (likewise)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree: ranks (processes) sharding the model "
                                           "(default 1)")
     p.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
@@ -275,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     from trnd.config import ConfigError, StartupError
     from trnd.model.config import ModelError
     from trnd.log import journal_prefix
+    from trnd.procs import PortError
 
     try:
         if args.cmd == "serve":
@@ -337,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModelError as e:  # a missing model directory, an architecture trnd does not run: no restart fixes it
         print(f"{journal_prefix(3)}trnd: model error: {e}", file=sys.stderr)
         return EX_CONFIG
+    except PortError as e:  # another process holds a port: 1, a restart may find it free
+        print(f"{journal_prefix(3)}trnd: cannot start: {e}", file=sys.stderr)
+        return e.exit_code
     except BackendUnavailable as e:
         print(f"{journal_prefix(3)}trnd: {e}", file=sys.stderr)
         return EX_UNAVAILABLE

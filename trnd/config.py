@@ -70,8 +70,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     secret_file: str | None = None
     aggregated: bool = False  # serve only: one process instead of a local prefill + decode deployment
     point: str = "8k"  # decode point of the local deployment's roles
-    prefill_control_port: Port | None = None  # local deployment: fixed ports for the prefill role(s): the
-    prefill_admin_port: Port | None = None  # first one's; the i-th prefill server takes port + i
+    # Local deployment: fixed ports for its children (None: a free port each, picked at start and printed).
+    prefill_control_port: Port | None = None  # the first prefill server's; the i-th takes port + i
+    prefill_admin_port: Port | None = None  # likewise (its /health, /ready, /metrics, /admin)
+    decode_port: Port | None = None  # with num_decode > 1: the first decode server's API port (the router has `port`)
     num_prefill: Annotated[int, Meta(ge=1, le=16)] = 1  # local deployment: prefill servers (--prefill N)
     num_decode: Annotated[int, Meta(ge=1, le=16)] = 1  # decode servers (--decode M); > 1: `trnd router` on port
     router_policy: str = "affinity"  # the local router's policy (affinity; random for benchmarks)

@@ -1,8 +1,9 @@
-"""Process plumbing shared by the roles, the benchmarks and the tests: free ports, readiness, the
-child's death with its parent, the exit status of a bad configuration."""
+"""Process plumbing shared by the roles, the benchmarks and the tests: free ports, binding a role's
+ports, readiness, the child's death with its parent, the exit status of a bad configuration."""
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 import subprocess
@@ -12,6 +13,49 @@ import urllib.request
 
 EX_CONFIG = 78  # sysexits.h: a bad configuration; systemd units do not restart on it
 EX_UNAVAILABLE = 69  # sysexits.h: the backend cannot run on this host (`trnd check` exits so too)
+
+
+class PortError(RuntimeError):
+    """A role's port cannot be had: one line naming the field and the port. `exit_code` 1 when a restart
+    may fix it (another process holds it, the address is not up yet), 78 when it cannot (no permission)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def bind_port(host: str, port: int, field: str = "port") -> socket.socket:
+    """Bind a role's TCP port now, at start, but do not listen yet: a port another process holds fails
+    in a second, not after the model has loaded, and connections are refused (not queued) until
+    serving starts. asyncio's create_server(sock=...) listens on it then. SO_REUSEADDR as asyncio sets
+    it: the restarted role is not held off by its predecessor's TIME_WAIT connections, while a socket
+    already listening there still refuses the bind."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise PortError(f"{field} = {port}: host {host!r} does not resolve: {e.strerror}", EX_CONFIG) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        where = f"{host}:{port}"
+        if e.errno == errno.EADDRINUSE:
+            raise PortError(f"{field} = {port}: {where} is already in use by another process", 1) from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise PortError(f"{field} = {port}: {host!r} is not an address of this host (yet)", 1) from None
+        code = EX_CONFIG if e.errno == errno.EACCES else 1
+        raise PortError(f"{field} = {port}: cannot bind {where}: {e.strerror}", code) from None
+    sock.setblocking(False)
+    return sock
+
+
+def bound_address(sock: socket.socket) -> str:
+    """host:port of a bound socket, as the roles report it to their supervisor (X_TRND_LISTEN)."""
+    host, port = sock.getsockname()[:2]
+    return f"{host}:{port}"
 
 
 def free_port() -> int:

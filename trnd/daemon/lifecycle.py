@@ -110,8 +110,16 @@ class Lifecycle:
             self.status(f"failed: {type(exc).__name__}: {exc}")
 
     def _stop_while_loading(self, signum, frame) -> None:
-        notify.stopping(f"stopped by {signal.Signals(signum).name} while loading")
-        log.info("%s while loading: exiting", signal.Signals(signum).name)
+        """Nothing to drain yet: unwind and exit 0. Once only: a second signal (a supervisor's forwarded
+        SIGTERM, then its death signal) must not raise again inside the cleanup the first one runs, where
+        it would end as a traceback ("Exception ignored in ...")."""
+        name = signal.Signals(signum).name
+        if self._stops:
+            log.debug("%s while already stopping: ignored", name)
+            return
+        self._stops += 1
+        notify.stopping(f"stopped by {name} while loading")
+        log.info("%s while loading: exiting", name)
         raise SystemExit(0)
 
     def _hup_while_loading(self, signum, frame) -> None:
@@ -162,13 +170,15 @@ class Lifecycle:
     async def serve(self, http, state: Readiness | None = None, *, banner: str, ready_fn: Callable[[], bool] | None = None,
                     waiting: Callable[[], str] | None = None, warmup: Callable[[], Awaitable[None]] | None = None,
                     in_flight: Callable[[], int] | None = None, abort: Callable[[], int] | None = None,
-                    on_drain: Callable[[], None] | None = None) -> int:
+                    on_drain: Callable[[], None] | None = None, also_listening: tuple = ()) -> int:
         """Serve `http` (runtime.HTTPServer) until SIGTERM/SIGINT, then drain. Returns the exit status.
 
         ready_fn: the role's own readiness (decode: a prefill peer handshaked); waiting: why not yet,
         for STATUS. warmup: coroutine run once ready_fn holds (retried until it succeeds). in_flight:
         requests the drain waits for; abort: fail them when drain_timeout_s is up. on_drain: stop
-        taking new work that is not HTTP (prefill: close the control-plane listener)."""
+        taking new work that is not HTTP (prefill: close the control-plane listener). also_listening:
+        the role's other servers (asyncio.Server: prefill's and the store's control plane), reported
+        with READY beside the HTTP port."""
         aio = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -208,7 +218,9 @@ class Lifecycle:
             self.phase = "running"
             print(banner, flush=True)
             log.info("ready after %.1f s", time.monotonic() - self.started)
-            notify.ready(self.running_status())
+            # What it listens on goes with READY: a supervisor (trnd serve, roles/local.py) counts only its
+            # own child as up, never another process that answers on the same port.
+            notify.ready(self.running_status(), listening(http, also_listening))
             self._last_status = self.running_status()
         while not self._stop_event.is_set():
             if task.done():
@@ -343,6 +355,12 @@ class Lifecycle:
         else:
             log.info("reload: nothing to apply")
         return live, ignored
+
+
+def listening(http, servers=()) -> list[str]:
+    """host:port of every socket `http` (runtime.HTTPServer) and `servers` (asyncio.Server) listen on."""
+    socks = [s for srv in [*getattr(http, "servers", []), *servers] for s in (srv.sockets or [])]
+    return [":".join(map(str, s.getsockname()[:2])) for s in socks]
 
 
 async def _serve_http(http) -> None:

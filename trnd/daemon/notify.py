@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 
 __all__ = ["notify", "ready", "status", "extend_timeout", "watchdog", "stopping", "reloading",
-           "watchdog_interval", "enabled"]
+           "watchdog_interval", "enabled", "Listener"]
+
+
+LISTEN = "X_TRND_LISTEN"  # sd_notify(3): fields of one's own start with X_
 
 
 def _address(value: str) -> str | bytes | None:
@@ -45,9 +49,11 @@ def _with_status(fields: list[str], text: str | None) -> list[str]:
     return fields + ([f"STATUS={text}"] if text else [])
 
 
-def ready(text: str | None = None) -> bool:
-    """The service is up: systemd's start job completes, units ordered after it start."""
-    return notify(*_with_status(["READY=1"], text))
+def ready(text: str | None = None, listening: list[str] | None = None) -> bool:
+    """The service is up: systemd's start job completes, units ordered after it start. listening: the
+    host:port it serves on, as X_TRND_LISTEN (systemd ignores X_ fields; trnd serve's supervisor reads it)."""
+    extra = [f"{LISTEN}={' '.join(listening)}"] if listening else []
+    return notify(*_with_status(["READY=1", *extra], text))
 
 
 def status(text: str) -> bool:
@@ -89,3 +95,33 @@ def watchdog_interval() -> float | None:
     except ValueError:
         return None
     return value / 1e6 if value > 0 else None
+
+
+class Listener:
+    """The receiving end, for a process that supervises roles (trnd serve, roles/local.py): an AF_UNIX
+    datagram socket at `path` (in a directory only this user can enter) whose every datagram comes with
+    the sender's pid from the kernel (SO_PASSCRED), so a supervisor can tell its own children's
+    messages from anyone else's."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        self.sock.bind(path)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+
+    def receive(self) -> list[tuple[int | None, dict[str, str]]]:
+        """Every datagram waiting now, as (sender pid, {key: value}); never blocks."""
+        out = []
+        creds = struct.calcsize("3i")  # struct ucred: pid, uid, gid
+        while True:
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(creds))
+            except (BlockingIOError, InterruptedError):
+                return out
+            pid = next((struct.unpack("3i", d[:creds])[0] for level, kind, d in ancillary
+                        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS), None)
+            fields = dict(line.split("=", 1) for line in data.decode(errors="replace").splitlines() if "=" in line)
+            out.append((pid, fields))
+
+    def close(self) -> None:
+        self.sock.close()

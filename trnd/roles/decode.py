@@ -347,7 +347,9 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
     from trnd.engine.warmup import warm_up_loop
     from trnd.roles.runtime import http_server, run_async
     from trnd.model.maker import resolve_model
+    from trnd.procs import bind_port
 
+    sock = bind_port(cfg.host, cfg.port, "port")  # another process on it: one line, exit 1, before the load
     with Lifecycle("decode", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)
         name = cfg.served_model_name or model_dir.resolve().name
@@ -359,7 +361,7 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
         st.metrics.role_stats = lambda: {f"decode_{k}": server.stats[k] for k in
                                          ("handoffs", "retried", "failed", "timed_out", "fenced")}
         st.ready_fn = lambda: server.ready
-        http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, cfg)
+        http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, cfg, sock=sock)
 
         def waiting() -> str:
             return "no prefill peer yet: " + "; ".join(f"{p.addr}: {p.refused or p.error or 'connecting'}"

@@ -18,14 +18,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
 from trnd import OMP_SET_BY_OPERATOR, SHARED_CORES_SPINCOUNT
 from trnd.config import ConfigError, ServeConfig
-from trnd.procs import EX_CONFIG, die_with_parent, free_port, is_ready
+from trnd.daemon import notify
+from trnd.procs import EX_CONFIG, bind_port, die_with_parent, free_port
 
 log = logging.getLogger("trnd.local")
 
@@ -38,13 +39,25 @@ def _write(path: Path, data: dict) -> Path:
 
 @dataclass
 class Child:
-    """One process of the deployment: its role, its config file, the port that answers /ready."""
+    """One process of the deployment: its role, its config file, the ports it must bind (the first
+    answers HTTP: prefill's admin port, decode's API port, the router's port), and what the supervisor
+    has heard from it over its own notify socket since it was last started."""
     name: str  # prefill0, decode1, router
     role: str
     config: Path
-    port: int  # HTTP: prefill's admin port, decode's API port, the router's port
+    ports: dict[str, int]  # field (as the operator names it) -> port
     proc: subprocess.Popen | None = None
     backoff: float = 0.5
+    ready: bool = False  # READY=1 came from this pid, with every one of `ports` in X_TRND_LISTEN
+    listening: list[str] = field(default_factory=list)
+    status: str = "starting"
+    pinged: float = 0.0  # its last WATCHDOG=1 (or its start)
+    readies: int = 0  # READY=1 messages since its start: a reload is over when each child sent one more
+    heard: bool = False  # any message since its start (before the first, it is importing: START_GRACE_S)
+
+    @property
+    def port(self) -> int:
+        return next(iter(self.ports.values()))
 
 
 def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
@@ -69,29 +82,32 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
         path = _write(workdir / f"prefill{i}.toml", {**role, "host": "127.0.0.1", "control_port": control,
                                                      "admin_port": admin, "api_key": cfg.resolved_api_key(),
                                                      "drain_timeout_s": cfg.drain_timeout_s})
-        children.append(Child(f"prefill{i}", "prefill", path, admin))
+        children.append(Child(f"prefill{i}", "prefill", path, {"prefill_admin_port": admin,
+                                                                "prefill_control_port": control}))
         controls.append(f"127.0.0.1:{control}")
     dec = msgspec.structs.asdict(cfg)
     for k in ("aggregated", "prefill_control_port", "prefill_admin_port", "page_size", "num_pages", "token_budget",
-              "chunk_size", "max_batch", "num_prefill", "num_decode", "router_policy", "secret"):
+              "chunk_size", "max_batch", "num_prefill", "num_decode", "router_policy", "secret", "decode_port"):
         dec.pop(k, None)  # the decode point fixes the shapes
     dec.update(model=model, secret_file=str(secret), prefill=controls)
     if cfg.num_decode == 1:
-        children.append(Child("decode", "decode", _write(workdir / "decode.toml", dec), cfg.port))
+        children.append(Child("decode", "decode", _write(workdir / "decode.toml", dec), {"port": cfg.port}))
         return children
     targets = []
     for i in range(cfg.num_decode):
-        port = free_port()
+        port = cfg.decode_port + i if cfg.decode_port else free_port()
         path = _write(workdir / f"decode{i}.toml", {**dec, "host": "127.0.0.1", "port": port})
-        children.append(Child(f"decode{i}", "decode", path, port))
+        children.append(Child(f"decode{i}", "decode", path, {"decode_port": port}))
         targets.append(f"127.0.0.1:{port}")
     router = {"host": cfg.host, "port": cfg.port, "targets": targets, "model": model, "api_key": cfg.api_key,
               "api_key_file": cfg.api_key_file, "log_level": cfg.log_level, "drain_timeout_s": cfg.drain_timeout_s,
               "max_body_bytes": cfg.max_body_bytes, "policy": cfg.router_policy}
-    children.append(Child("router", "router", _write(workdir / "router.toml", router), cfg.port))
+    children.append(Child("router", "router", _write(workdir / "router.toml", router), {"port": cfg.port}))
     return children
 
 
+START_GRACE_S = 60.0  # a child's imports before its first notify message, against the watchdog
+RELOAD_WAIT_S = 30.0  # for every child's READY after a forwarded SIGHUP; then READY=1 regardless
 KEEP_ON_RELOAD = ("host", "port", "control_port", "admin_port", "prefill", "targets", "secret_file")
 
 
@@ -109,31 +125,76 @@ def rewrite(children: list[Child], fresh: list[Child]) -> None:
         _write(old.config, data)
 
 
+def check_ports(cfg: ServeConfig, children: list[Child]) -> None:
+    """Every port a child will bind, tried here first: one that another process holds is one line
+    naming its field and exit 1 (PortError) before any child loads a model. A child that then loses
+    a race for one fails the same way itself."""
+    socks = []
+    try:
+        for c in children:
+            host = cfg.host if c is children[-1] else "127.0.0.1"
+            socks += [bind_port(host, port, name) for name, port in c.ports.items()]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def heard(c: Child, msg: dict[str, str], now: float) -> None:
+    """A notify message from child `c` (its pid checked by the kernel's credentials)."""
+    if "STATUS" in msg:
+        c.status = msg["STATUS"]
+    c.heard = True
+    if "WATCHDOG" in msg or "READY" in msg:
+        c.pinged = now
+    if msg.get("STOPPING") == "1":
+        c.ready = False
+    if msg.get("READY") == "1":
+        c.readies += 1
+        c.listening = msg.get(notify.LISTEN, "").split()
+        bound = {a.rpartition(":")[2] for a in c.listening}
+        missing = [f"{name} = {port}" for name, port in c.ports.items() if str(port) not in bound]
+        if missing:
+            log.error("%s says READY but does not listen on %s (it listens on %s)", c.name, ", ".join(missing),
+                      " ".join(c.listening) or "nothing")
+        c.ready = not missing
+
+
 def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
-    """The supervisor speaks for the deployment to systemd (NotifyAccess=main): READY once every child
-    answers /ready, WATCHDOG while the API front's /health answers, STOPPING/RELOADING around forwarded
-    signals. The children get no NOTIFY_SOCKET of their own."""
-    from trnd.daemon import notify
+    """The supervisor speaks for the deployment to systemd (NotifyAccess=main). Its children speak to it
+    the same protocol on a socket of its own (notify.Listener; the kernel names each sender's pid, so
+    only its own children count): READY once every child sent READY=1 listening on its ports, WATCHDOG
+    while every child's own pings keep coming (each pings only while its engine loop turns),
+    STOPPING/RELOADING around forwarded signals. A child that fails before the deployment was first
+    ready stops it with the child's exit status; after that a dead child is restarted."""
 
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
     if not OMP_SET_BY_OPERATOR:  # the roles share this node's cores: a short spin (trnd/__init__.py)
         env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
+    watchdog_s = notify.watchdog_interval()
     with tempfile.TemporaryDirectory(prefix="trnd-serve-") as tmp:
         children = role_configs(cfg, model, Path(tmp))
         front = children[-1]
+        check_ports(cfg, children)
+        listener = notify.Listener(str(Path(tmp) / "notify"))  # the directory is ours alone (0700)
+        env["NOTIFY_SOCKET"] = listener.path
+        if watchdog_s:
+            env["WATCHDOG_USEC"] = str(int(watchdog_s * 1e6))
 
         def start(c: Child) -> None:
+            c.ready, c.listening, c.status, c.readies, c.heard = False, [], "starting", 0, False
+            c.pinged = time.monotonic()
             c.proc = subprocess.Popen([sys.executable, "-m", "trnd", c.role, "--config", str(c.config)], env=env,
                                       preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
         for c in children:
             start(c)
         notify.status(f"starting {cfg.num_prefill} prefill and {cfg.num_decode} decode server(s)")
-        print("trnd: local deployment: " + ", ".join(f"{c.name} pid {c.proc.pid} (http://127.0.0.1:{c.port})"
-                                                     for c in children)
+        print("trnd: local deployment: " + ", ".join(
+            f"{c.name} pid {c.proc.pid} ({', '.join(f'{k} {v}' for k, v in c.ports.items())})" for c in children)
               + f"; API http://{cfg.host}:{cfg.port}/v1", flush=True)
         stopping, ready = False, False
-        reloading_since: float | None = None
+        reload_at: dict[str, int] | None = None  # each child's READY count when SIGHUP was forwarded
+        reload_since = 0.0
 
         def reread() -> None:
             """SIGHUP: re-read the deployment's config and rewrite the children's files, which each
@@ -149,7 +210,7 @@ def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
                 log.error("reload failed, keeping the running configuration: %s", str(e).replace("\n", " "))
 
         def forward(signum, _frame):
-            nonlocal stopping, reloading_since
+            nonlocal stopping, reload_at, reload_since
             if signum in (signal.SIGTERM, signal.SIGINT):
                 # The front drains first; the servers behind it keep serving until it is done.
                 stopping = True
@@ -157,52 +218,91 @@ def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
                 if front.proc.poll() is None:
                     front.proc.send_signal(signum)
                 return
-            reloading_since = time.monotonic()
+            reload_at, reload_since = {c.name: c.readies for c in children}, time.monotonic()
             notify.reloading("reloading the deployment")
             reread()
             for c in children:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signum)
 
+        def shut_down() -> None:
+            """Decode servers (draining what they hold) before the prefill servers they may wait on."""
+            for group in ([c for c in children if c.role != "prefill"], [c for c in children if c.role == "prefill"]):
+                for c in group:
+                    if c.proc.poll() is None:
+                        c.proc.send_signal(signal.SIGTERM)
+                for c in group:
+                    try:
+                        c.proc.wait(cfg.drain_timeout_s + 15)
+                    except subprocess.TimeoutExpired:
+                        c.proc.kill()
+                        c.proc.wait()
+
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, forward)
-        beat = notify.watchdog_interval()
-        beat = beat / 2 if beat else None  # margin: each ping waits on the front's /health
-        last_beat = 0.0
-        while (rc := front.proc.poll()) is None:
-            now = time.monotonic()
-            if not ready and not stopping and all(is_ready(c.port, "/ready") for c in children):
-                ready = True
-                notify.ready(f"serving on http://{cfg.host}:{cfg.port}/v1")
-            if reloading_since is not None and now - reloading_since > 1.0 and is_ready(cfg.port, "/ready"):
-                reloading_since = None
-                notify.ready("reloaded")
-            if beat and now - last_beat >= beat and is_ready(cfg.port, "/health"):
-                notify.watchdog()
-                last_beat = now
-            for c in children[:-1]:
-                code = c.proc.poll()
-                if code == EX_CONFIG:  # a bad config does not get better by restarting
-                    log.error("%s refused its configuration; stopping the deployment", c.name)
-                    forward(signal.SIGTERM, None)
-                    front.proc.wait(30)
-                    return EX_CONFIG
-                if code is not None and not stopping:
+        last_beat, shown, silent = 0.0, "", set()
+        try:
+            while (rc := front.proc.poll()) is None:
+                now = time.monotonic()
+                for pid, msg in listener.receive():
+                    c = next((c for c in children if c.proc.pid == pid), None)
+                    if c is None:  # a rank process, or anyone else who found the socket: not a child's word
+                        log.debug("notify message from pid %s (not a child): ignored", pid)
+                        continue
+                    heard(c, msg, now)
+                    if not ready and "EXTEND_TIMEOUT_USEC" in msg:
+                        notify.notify(f"EXTEND_TIMEOUT_USEC={msg['EXTEND_TIMEOUT_USEC']}")  # a slow load
+                if not ready and not stopping:
+                    text = "starting: " + "; ".join(f"{c.name}: {c.status}" for c in children)
+                    if text != shown:
+                        notify.status(text)
+                        shown = text
+                    if all(c.ready for c in children):
+                        ready = True
+                        log.info("deployment ready: %s", ", ".join(f"{c.name} pid {c.proc.pid} on "
+                                                                   f"{' '.join(c.listening)}" for c in children))
+                        notify.ready(f"serving on http://{cfg.host}:{cfg.port}/v1")
+                if reload_at is not None and (all(c.readies > reload_at[c.name] for c in children)
+                                              or now - reload_since > RELOAD_WAIT_S):
+                    late = [c.name for c in children if c.readies <= reload_at[c.name]]
+                    if late:
+                        log.warning("reload: %s did not confirm within %g s", ", ".join(late), RELOAD_WAIT_S)
+                    reload_at = None
+                    notify.ready("reloaded" + (f" ({', '.join(late)} did not confirm)" if late else ""))
+                if watchdog_s and now - last_beat >= watchdog_s / 2:
+                    quiet = {c.name for c in children if c.proc.poll() is None
+                             and now - c.pinged > (watchdog_s if c.heard else max(watchdog_s, START_GRACE_S))}
+                    for name in sorted(quiet - silent):
+                        log.warning("%s sent no watchdog ping for %g s (a hung engine step?): the deployment's "
+                                    "pings stop", name, watchdog_s)
+                    silent = quiet
+                    if not quiet:
+                        notify.watchdog()
+                        last_beat = now
+                for c in children[:-1]:
+                    code = c.proc.poll()
+                    if code is None or stopping:
+                        continue
+                    if code == EX_CONFIG or not ready:  # a bad config does not get better by restarting
+                        log.warning("%s exited with %s before the deployment was ready: stopping it" if not ready
+                                    else "%s refused its configuration (exit %s): stopping the deployment",
+                                    c.name, code)
+                        notify.stopping(f"{c.name} exited with {code}")
+                        return exit_status(code)  # shut_down() stops the others
                     log.warning("%s exited with %s; restarting it in %.1f s", c.name, code, c.backoff)
                     time.sleep(c.backoff)
                     c.backoff = min(c.backoff * 2, 10)
                     start(c)
-            time.sleep(0.2)
-        # The front is gone: its servers go too, decode servers (draining what they hold) before the
-        # prefill servers they may still be waiting on.
-        for group in ([c for c in children[:-1] if c.role != "prefill"], [c for c in children if c.role == "prefill"]):
-            for c in group:
-                if c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGTERM)
-            for c in group:
-                try:
-                    c.proc.wait(cfg.drain_timeout_s + 15)
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
-                    c.proc.wait()
-        return rc if not stopping else (0 if rc in (0, -signal.SIGTERM, -signal.SIGINT) else rc)
+                time.sleep(0.2)
+            if not stopping:
+                log.warning("%s exited with %s%s: stopping the deployment", front.name, rc,
+                            "" if ready else " before the deployment was ready")
+        finally:
+            shut_down()  # the front is gone: its servers go too
+            listener.close()
+        return 0 if stopping and rc in (-signal.SIGTERM, -signal.SIGINT) else exit_status(rc)
+
+
+def exit_status(code: int) -> int:
+    """A child's status as the supervisor's own: a signal N as the shell says it (128 + N)."""
+    return code if code >= 0 else 128 - code

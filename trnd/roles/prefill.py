@@ -74,10 +74,11 @@ class PrefillServer:
 
     # -- control plane (asyncio) --------------------------------------------------------------------
 
-    async def serve(self) -> asyncio.base_events.Server:
+    async def serve(self, sock) -> asyncio.base_events.Server:
+        """sock: the control port, bound at start (trnd.procs.bind_port)."""
         self.aio = asyncio.get_running_loop()
         self.loop.start()
-        return await asyncio.start_server(self._on_conn, self.cfg.host, self.cfg.control_port)
+        return await asyncio.start_server(self._on_conn, sock=sock)
 
     async def _on_conn(self, reader, writer) -> None:
         """asyncio's server callback. A connection still open at shutdown is cancelled: that ends it, it is
@@ -349,7 +350,11 @@ def run(cfg: PrefillConfig, reload_source=None) -> int:
     from trnd.engine.warmup import warm_up
     from trnd.roles.runtime import http_server, run_async
     from trnd.model.maker import resolve_model
+    from trnd.procs import bind_port
 
+    # Both ports before the load: another process on either is one line and exit 1 in a second.
+    control = bind_port(cfg.host, cfg.control_port, "control_port")
+    admin_sock = bind_port(cfg.host, cfg.admin_port, "admin_port")
     with Lifecycle("prefill", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)
         name = model_dir.resolve().name
@@ -367,15 +372,15 @@ def run(cfg: PrefillConfig, reload_source=None) -> int:
                                                  "prefill_kv_bytes": server.stats["bytes"],
                                                  "prefill_handoffs_failed": server.stats["failed"],
                                                  "prefill_handoffs_aborted": server.stats["aborted"]}
-            http = http_server(admin, cfg.host, cfg.admin_port)
+            http = http_server(admin, cfg.host, cfg.admin_port, sock=admin_sock)
 
             async def main() -> int:
-                ctrl = await server.serve()
+                ctrl = await server.serve(control)
                 try:
                     return await life.serve(
                         http, admin.state.trnd, banner=f"trnd: prefill for {name} (point {cfg.point}, tp={cfg.tp}) on "
                                             f"{cfg.host}:{cfg.control_port}, admin http://{cfg.host}:{cfg.admin_port}",
-                        in_flight=lambda: len(server.handoffs), on_drain=ctrl.close)
+                        in_flight=lambda: len(server.handoffs), on_drain=ctrl.close, also_listening=(ctrl,))
                 finally:
                     ctrl.close()
 

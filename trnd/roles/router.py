@@ -35,10 +35,13 @@ def run(cfg: RouterConfig, reload_source: Callable[[], RouterConfig] | None = No
         from trnd.model.maker import resolve_model
 
         tokenizer = Tokenizer.from_dir(resolve_model(cfg.model))
-    return run_async(lambda: _main(cfg, tokenizer, reload_source))
+    from trnd.procs import bind_port
+
+    sock = bind_port(cfg.host, cfg.port, "port")  # another process on it: one line, exit 1
+    return run_async(lambda: _main(cfg, tokenizer, reload_source, sock))
 
 
-async def _main(cfg: RouterConfig, tokenizer, reload_source) -> int:
+async def _main(cfg: RouterConfig, tokenizer, reload_source, sock) -> int:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -47,7 +50,7 @@ async def _main(cfg: RouterConfig, tokenizer, reload_source) -> int:
                           fail_after=cfg.fail_after, headers={"authorization": f"Bearer {key}"} if key else {})
         st = RouterState(cfg, client, targets, PrefixIndex(cfg.prefix_entries), tokenizer)
         app = build_app(st)
-        http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s)
+        http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, sock=sock)
         stop = asyncio.Event()
         aio = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -69,7 +72,7 @@ async def _main(cfg: RouterConfig, tokenizer, reload_source) -> int:
             if not ready and http.started and targets.healthy():
                 ready = True
                 print(f"trnd: router on http://{cfg.host}:{cfg.port}/v1 for {', '.join(cfg.targets)}", flush=True)
-                notify.ready(f"routing to {len(targets.healthy())} of {len(targets.all)} targets")
+                notify.ready(f"routing to {len(targets.healthy())} of {len(targets.all)} targets", http.listening())
             elif not ready:
                 notify.status("waiting for a healthy target: " + "; ".join(
                     f"{t.addr}: {t.error or 'probing'}" for t in targets.all))

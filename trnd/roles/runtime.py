@@ -16,18 +16,32 @@ class HTTPServer(uvicorn.Server):
     trnd must keep answering (/ready 503, streams running) through the drain. The Lifecycle owns the
     signals and ends serving by setting `should_exit` once the drain is done."""
 
+    sockets: list | None = None  # bound at start (trnd.procs.bind_port); uvicorn listens on them
+
     def capture_signals(self):
         return contextlib.nullcontext()
 
+    async def serve(self, sockets=None) -> None:
+        await super().serve(sockets=sockets or self.sockets)
 
-def http_server(app, host: str, port: int, drain_timeout_s: float = 30.0, cfg=None) -> HTTPServer:
-    """cfg (ServeConfig): max_header_bytes and header_timeout_s of the public port."""
+    def listening(self) -> list[str]:
+        """host:port of every socket it listens on (what the role reports to a supervisor)."""
+        from trnd.procs import bound_address
+
+        return [bound_address(s) for srv in getattr(self, "servers", []) for s in (srv.sockets or [])]
+
+
+def http_server(app, host: str, port: int, drain_timeout_s: float = 30.0, cfg=None, sock=None) -> HTTPServer:
+    """cfg (ServeConfig): max_header_bytes and header_timeout_s of the public port. sock: the port,
+    bound at start (trnd.procs.bind_port); None: uvicorn binds host:port itself when it starts."""
     from trnd.api.http import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, protocol
 
     proto = protocol(getattr(cfg, "max_header_bytes", MAX_HEADER_BYTES), getattr(cfg, "header_timeout_s", HEADER_TIMEOUT_S))
-    return HTTPServer(uvicorn.Config(app, host=host, port=port, loop="none", http=proto, log_config=None,
-                                     access_log=False, lifespan="off",
-                                     timeout_graceful_shutdown=int(drain_timeout_s) or None))
+    server = HTTPServer(uvicorn.Config(app, host=host, port=port, loop="none", http=proto, log_config=None,
+                                       access_log=False, lifespan="off",
+                                       timeout_graceful_shutdown=int(drain_timeout_s) or None))
+    server.sockets = [sock] if sock is not None else None
+    return server
 
 
 def run_async(main: Callable[[], Awaitable[int | None]]) -> int:

@@ -31,6 +31,9 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
 
         raise ConfigError("compile_cache holds a decode point's graphs: it serves the prefill and decode roles (trnd "
                           "serve without --aggregated); --aggregated takes --static alone - at `$.compile_cache`")
+    from trnd.procs import bind_port
+
+    sock = bind_port(cfg.host, cfg.port, "port")  # another process on it: one line, exit 1, before the load
     with Lifecycle("serve", cfg, reload_source) as life:
         from trnd.transfer.nixl import bind_for
 
@@ -56,7 +59,7 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
             st = app.state.trnd
             log.info("engine ready: %s, %d KV pages of %d tokens, max context %d", name, engine.pool.num_pages,
                      cfg.page_size, engine.max_model_len)
-            http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, cfg)
+            http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, cfg, sock=sock)
             return run_async(lambda: life.serve(
                 http, st, banner=f"trnd: serving {name} on http://{cfg.host}:{cfg.port}/v1",
                 in_flight=lambda: loop.num_requests, abort=st.abort_all))

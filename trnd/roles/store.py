@@ -10,7 +10,8 @@ import sys
 import msgspec
 
 from trnd.config import ConfigError, StoreConfig, load_config
-from trnd.procs import EX_CONFIG
+from trnd.log import journal_prefix
+from trnd.procs import EX_CONFIG, bind_port
 from trnd.store.server import DEBUG_ENV, StoreServer
 
 log = logging.getLogger("trnd.store")
@@ -128,30 +129,33 @@ def run(cfg: StoreConfig, reload_source=None) -> int:
     from trnd.daemon.lifecycle import Lifecycle
     from trnd.roles.runtime import http_server, run_async
 
+    control = bind_port(cfg.host, cfg.control_port, "control_port")  # taken: one line, exit 1, at once
+    admin_sock = bind_port(cfg.host, cfg.admin_port, "admin_port")
     with Lifecycle("store", cfg, reload_source) as life:
         life.status(f"registering {cfg.memory_gb:g} GiB with NIXL")
         try:
             server = StoreServer(cfg)
         except (RuntimeError, MemoryError) as e:  # the region cannot be had (or registered)
-            print(f"trnd: cannot start: memory_gb = {cfg.memory_gb:g}: {e}", file=sys.stderr)
+            print(f"{journal_prefix(3)}trnd: cannot start: memory_gb = {cfg.memory_gb:g}: {e}", file=sys.stderr)
             return EX_CONFIG
         try:
             life.loop = server.beat
             app = build_admin_app(server, cfg)
-            http = http_server(app, cfg.host, cfg.admin_port, cfg.drain_timeout_s)
+            http = http_server(app, cfg.host, cfg.admin_port, cfg.drain_timeout_s, sock=admin_sock)
             if server.debug:
                 log.warning("%s=1: debug hooks on /admin/debug/* (tests only)", DEBUG_ENV)
 
             async def main() -> int:
                 try:
-                    ctrl = await server.serve()
-                except OSError as e:
+                    ctrl = await server.serve(control)
+                except OSError as e:  # listen() lost a race for the port after the bind
                     log.error("cannot listen on %s:%d: %s", cfg.host, cfg.control_port, e)
                     return 1
                 try:
                     return await life.serve(
                         http, app.state.trnd, banner=f"trnd: store of {cfg.memory_gb:g} GiB on {cfg.host}:{cfg.control_port}, "
-                                          f"admin http://{cfg.host}:{cfg.admin_port}", on_drain=ctrl.close)
+                                          f"admin http://{cfg.host}:{cfg.admin_port}", on_drain=ctrl.close,
+                        also_listening=(ctrl,))
                 finally:
                     ctrl.close()
 

@@ -102,9 +102,10 @@ class StoreServer:
 
     # -- control plane ------------------------------------------------------------------------------
 
-    async def serve(self) -> asyncio.base_events.Server:
+    async def serve(self, sock) -> asyncio.base_events.Server:
+        """sock: the control port, bound at start (trnd.procs.bind_port)."""
         self._expirer = asyncio.create_task(self._expire_forever())
-        return await asyncio.start_server(self._on_conn, self.cfg.host, self.cfg.control_port)
+        return await asyncio.start_server(self._on_conn, sock=sock)
 
     async def _expire_forever(self) -> None:
         while True:
