@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
@@ -40,3 +41,43 @@ def setup_logging(level: str = "info") -> None:
     root.setLevel(level.upper())
     for noisy in ("uvicorn.access", "NIXL", "httpx"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+class Failures:
+    """A peer that keeps failing, logged for an operator rather than at every retry (as vLLM's and
+    Dynamo's connectors do): the first failure at `level` (error), a new kind of failure at `level`
+    again, the same one repeated as a warning with its count at growing intervals (REPEAT_S, then x3
+    up to REPEAT_MAX_S), and one info line when it works again (`recovered`)."""
+
+    REPEAT_S = 10.0
+    REPEAT_MAX_S = 600.0
+
+    def __init__(self, logger: logging.Logger, what: str, level: int = logging.ERROR):
+        self.log, self.what, self.level = logger, what, level
+        self.count, self.since, self.last_why = 0, 0.0, None
+        self.logged, self.interval, self.next_at = 0, self.REPEAT_S, 0.0
+
+    def failed(self, why: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self.count == 0:
+            self.since = now
+        self.count += 1
+        if why != self.last_why:
+            self.log.log(self.level, "%s: %s", self.what, why)
+            self.last_why, self.logged, self.interval, self.next_at = why, self.count, self.REPEAT_S, now + self.REPEAT_S
+        elif now >= self.next_at:
+            self.log.warning("%s: still failing, %d attempts in %.0f s (%d since the last line): %s", self.what,
+                             self.count, now - self.since, self.count - self.logged, why)
+            self.logged = self.count
+            self.interval = min(self.interval * 3, self.REPEAT_MAX_S)
+            self.next_at = now + self.interval
+
+    def recovered(self, now: float | None = None) -> str | None:
+        """The failures are over: " after N failed attempts over T s" for the caller's info line (None if
+        there were none); the next failure is a first one again."""
+        if not self.count:
+            return None
+        now = time.monotonic() if now is None else now
+        text = f" after {self.count} failed attempts over {now - self.since:.0f} s"
+        self.count, self.last_why = 0, None
+        return text

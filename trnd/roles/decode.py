@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -24,6 +24,7 @@ from trnd.engine.loop import DeadlineExceeded, EngineLoop, Unavailable
 from trnd.engine.parked import Landing, Parked
 from trnd.engine.request import Req
 from trnd.engine.sampler import SampleOut
+from trnd.log import Failures
 from trnd.roles.common import build_engine, manifest, point_capacity
 from trnd.transfer import protocol as P
 from trnd.transfer.handoff import Awaited
@@ -43,6 +44,14 @@ class PrefillPeer:
     refused: str | None = None  # why the last handshake was refused
     error: str | None = None
     connects: int = 0
+    failures: Failures = field(init=False)  # what the operator reads of a peer that stays away
+
+    def __post_init__(self):
+        self.failures = Failures(log, f"prefill {self.addr}")
+
+
+class Refusal(ConnectionError):
+    """The peer answered and said no (or does not match): its words, not a network error."""
 
 
 class FromPrefill(Parked):
@@ -121,6 +130,10 @@ class DecodeServer:
                 await self._serve_peer(peer)
             except (P.ChannelClosed, ConnectionError, OSError, asyncio.TimeoutError) as e:
                 peer.error = str(e) or e.__class__.__name__
+                if not peer.healthy:  # connecting or handshaking: bounded lines however long it lasts
+                    if not isinstance(e, Refusal):
+                        peer.refused = None
+                    peer.failures.failed(peer.error if isinstance(e, Refusal) else f"unreachable: {peer.error}")
             if peer.healthy or peer.chan is not None:
                 self._lost(peer)
             await asyncio.sleep(backoff)
@@ -140,26 +153,23 @@ class DecodeServer:
             raise
         if isinstance(reply, P.Refused):
             chan.close()
-            if peer.refused != reply.reason:
-                log.error("prefill %s refused the handshake: %s", peer.addr, reply.reason)
             peer.refused = reply.reason
-            raise ConnectionError(f"refused: {reply.reason}")
+            raise Refusal(f"refused the handshake: {reply.reason}")
         if not isinstance(reply, P.Welcome):
             chan.close()
             raise ConnectionError(f"unexpected {type(reply).__name__} in handshake")
         why = P.mismatch(self.manifest, reply.manifest)
         if why is not None:
             chan.close()
-            if peer.refused != why:
-                log.error("prefill %s does not match this decode server: %s", peer.addr, why)
             peer.refused = why
-            raise ConnectionError(f"refused: {why}")
+            raise Refusal(f"does not match this decode server: {why}")
         name = await self.loop.run_on_loop(lambda: self._handshaked(peer, reply.agent_meta))
         peer.chan, peer.agent_name, peer.manifest = chan, name, reply.manifest
         peer.refused, peer.error = None, None
         peer.healthy, peer.last_seen = True, time.monotonic()
         peer.connects += 1
-        log.info("prefill %s handshaked (agent %s, tp=%d)", peer.addr, name, reply.manifest.tp)
+        log.info("prefill %s handshaked (agent %s, tp=%d)%s", peer.addr, name, reply.manifest.tp,
+                 peer.failures.recovered() or "")
 
     def _handshaked(self, peer: PrefillPeer, meta: bytes) -> str:
         """Engine thread: a Welcome means the peer's earlier session is over (prefill settles it before

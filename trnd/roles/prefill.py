@@ -24,6 +24,7 @@ from trnd.engine.engine import LengthError
 from trnd.engine.loop import EngineLoop
 from trnd.engine.output import StepOutput
 from trnd.engine.scheduler import Batch
+from trnd.log import Failures
 from trnd.roles.common import build_engine, layout_from, layout_of, manifest, point_capacity
 from trnd.transfer import protocol as P
 from trnd.transfer.handoff import Shipment, Shipped, Xfer
@@ -64,6 +65,7 @@ class PrefillServer:
         self.loop = EngineLoop(self.engine, poll=self._poll, on_output=self._on_output)
         self.handoffs = Shipped()  # local rid -> what was shipped to which decode peer (transfer/handoff.py)
         self.peers: dict[int, Peer] = {}
+        self._refusals: dict[str, Failures] = {}  # decode host -> its failed attempts (bounded log lines)
         self._ids = itertools.count(1)
         self.aio: asyncio.AbstractEventLoop | None = None
         # post_ms: time inside NIXL's post call; xfer_ms: post to completion seen, summed over transfers
@@ -95,7 +97,7 @@ class PrefillServer:
             hello, challenge = await chan.challenge()
         except (P.ChannelClosed, asyncio.TimeoutError, ConnectionError, OSError) as e:
             self.stats["unauthenticated"] += 1
-            log.warning("connection from %s dropped before a valid Hello: %s", addr, e)
+            self._refused(addr, f"dropped before a valid Hello: {e}", logging.WARNING)
             chan.close()
             return
         if not isinstance(hello, P.Hello):
@@ -123,7 +125,7 @@ class PrefillServer:
                     why = f"agent metadata names {agent_name!r}, the Hello claims {hello.agent_name!r}"
         if why is not None:
             self.stats["refused"] += 1
-            log.error("refused decode server %s: %s", addr, why)
+            self._refused(addr, f"refused: {why}")
             try:
                 await chan.send(P.Refused(why))
             except (ConnectionError, OSError):
@@ -135,7 +137,9 @@ class PrefillServer:
         self._names[peer.id] = agent_name
         try:
             await chan.send(P.Welcome(self.manifest, self.agent.name, self.agent.metadata(), challenge))
-            log.info("decode server %s connected (agent %s, tp=%d)", addr, agent_name, hello.manifest.tp)
+            failures = self._refusals.pop(str(addr[0]) if addr else "?", None)
+            log.info("decode server %s connected (agent %s, tp=%d)%s", addr, agent_name, hello.manifest.tp,
+                     (failures and failures.recovered()) or "")
             while True:
                 msg = await chan.recv()
                 if isinstance(msg, P.PrefillReq):
@@ -152,6 +156,13 @@ class PrefillServer:
             peer.alive = False
             chan.close()
             self.loop.call(lambda: self._peer_lost(peer))
+
+    def _refused(self, addr, why: str, level: int = logging.ERROR) -> None:
+        """A decode server that keeps retrying a refused handshake is a few lines, not one per attempt."""
+        host = str(addr[0]) if addr else "?"
+        if host not in self._refusals and len(self._refusals) >= 256:  # bounded, whoever connects
+            self._refusals.pop(next(iter(self._refusals)))
+        self._refusals.setdefault(host, Failures(log, f"decode server {host}", level)).failed(why)
 
     async def _claim(self, agent_name: str, wait_s: float = 5.0) -> str | None:
         """A decode agent is one peer at a time. Its earlier connection may be on its way out (the
