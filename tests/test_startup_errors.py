@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.procs import free_port
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -33,3 +38,74 @@ def test_unsupported_architecture(tiny_qwen3, tmp_path, mode):
     assert out.returncode == 78 and "Traceback" not in out.stderr
     lines = [ln for ln in out.stderr.splitlines() if "model error" in ln]
     assert len(lines) == 1 and "'architectures'" in lines[0] and "Qwen3MoeForCausalLM" in lines[0]
+
+
+# -- every role, every kind of start-up error: one line at error priority naming it, 78 or 1 ----------
+
+def _holder() -> tuple[socket.socket, int]:
+    """Another process's listening socket (this test's): the port a role must not take for its own."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def _table_cases():
+    """(role argv builder, exit status, what the line must name). `P` is the held port, `M` the tiny
+    model, `S` the secret file, `F` a free port; the moe model has an architecture trnd does not run."""
+    role = {"prefill": ["prefill", "--model", "M", "--secret-file", "S", "--control-port", "F", "--admin-port", "F"],
+            "decode": ["decode", "--model", "M", "--secret-file", "S", "--port", "F"],
+            "serve": ["serve", "--model", "M", "--port", "F"],
+            "aggregated": ["serve", "--aggregated", "--model", "M", "--port", "F"],
+            "router": ["router", "--target", "127.0.0.1:9", "--port", "F"],
+            "store": ["store", "--secret-file", "S", "--control-port", "F", "--admin-port", "F", "--memory-gb", "0.01"]}
+    cases = []
+    for name, argv in role.items():
+        cases.append((name, "config", [*argv, "--config", "BADCFG"], 78, "max_nn"))
+        held = [i for i, a in enumerate(argv) if a == "F"]
+        for i in held:  # each port the role binds, held by another process
+            bad = list(argv)
+            bad[i] = "P"
+            cases.append((name, f"port {argv[i - 1]}", bad, 1, "P"))
+    for name in ("prefill", "decode", "serve", "aggregated"):
+        argv = role[name]
+        cases.append((name, "model path", [a if a != "M" else "NOPE" for a in argv], 78, "nope/config.json"))
+        cases.append((name, "architecture", [a if a != "M" else "MOE" for a in argv], 78, "Qwen3MoeForCausalLM"))
+        cases.append((name, "point", [*argv, "--point", "9k"], 78, "'9k'"))
+        cases.append((name, "backend", [*argv, "--backend", "neuron"], 69, "Neuron"))
+    cases.append(("serve", "port --prefill-control-port", [*role["serve"], "--prefill-control-port", "P"], 1, "P"))
+    cases.append(("serve", "port --prefill-admin-port", [*role["serve"], "--prefill-admin-port", "P"], 1, "P"))
+    cases.append(("serve", "port --decode-port", [*role["serve"], "--decode", "2", "--decode-port", "P"], 1, "P"))
+    cases.append(("router", "model path", [*role["router"], "--model", "NOPE"], 78, "nope"))
+    return cases
+
+
+@pytest.mark.parametrize("role,kind,argv,code,named", _table_cases(), ids=lambda v: v if isinstance(v, str) else None)
+def test_every_startup_error_is_one_line_at_error_priority(tiny_qwen3, tmp_path, role, kind, argv, code, named):
+    moe = tmp_path / "moe"
+    if "MOE" in argv:
+        shutil.copytree(tiny_qwen3, moe)
+        cfg = json.loads((moe / "config.json").read_text())
+        cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+        (moe / "config.json").write_text(json.dumps(cfg))
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    bad_cfg = tmp_path / "bad.toml"
+    bad_cfg.write_text("max_nn = 3\n")
+    holder, held = _holder()
+    names = {"M": str(tiny_qwen3), "NOPE": str(tmp_path / "nope"), "MOE": str(moe), "S": str(secret),
+             "BADCFG": str(bad_cfg), "P": str(held)}
+    try:
+        args = [names.get(a) or (str(free_port()) if a == "F" else a) for a in argv]
+        out = subprocess.run([sys.executable, "-m", "trnd", *args], capture_output=True, text=True, timeout=180,
+                             env={**os.environ, "JOURNAL_STREAM": "8:1"})  # as under systemd: <N> prefixes
+    finally:
+        holder.close()
+    errors = [ln for ln in out.stderr.splitlines() if re.match(r"<[0-3]>", ln)]
+    assert out.returncode == code, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert len(errors) == 1, out.stderr[-3000:]  # one line an operator reads with journalctl -p err
+    want = names.get(named, named)
+    assert want in errors[0], errors
+    if kind.startswith("port"):
+        assert "in use" in errors[0], errors

@@ -310,6 +310,13 @@ def test_argv_source_rereads_the_file_with_the_same_flags(tmp_path):
 
 # -- the daemon, end to end -------------------------------------------------------------------------
 
+def _ppid(p: Path) -> int | None:
+    try:
+        return int(p.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def exec_start(role: str, config: Path) -> list[str]:
     """The unit's ExecStart for instance `role`, run from this checkout with this interpreter."""
     (line,) = unit_settings()["ExecStart"]
@@ -573,6 +580,24 @@ def test_serve_deployment_supervisor_speaks_for_its_children(tiny_qwen3, tmp_pat
         time.sleep(2.6)
         assert len(listener.times("WATCHDOG", t_ready, t_ready + 2.6)) >= 2
         assert complete(port).status_code == 200
+        # It knows its children: their pids and what each bound, as each child reported it.
+        kids = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == d.proc.pid}
+        line = next(ln for ln in d.output().splitlines() if "deployment ready:" in ln)
+        named = {int(n) for n in re.findall(r"pid (\d+)", line)}
+        assert len(named) == 2 and named <= kids, (line, kids)
+        assert f"decode pid" in line and f"127.0.0.1:{port}" in line, line
+        # A child whose pings stop (stopped, as a hung engine step would be) stops the deployment's.
+        prefill_pid = int(re.search(r"prefill0 pid (\d+)", line)[1])
+        os.kill(prefill_pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        try:
+            time.sleep(6.0)
+        finally:
+            os.kill(prefill_pid, signal.SIGCONT)
+        assert not listener.times("WATCHDOG", t_stop + 3.5, t_stop + 6.0), "pings went on for a stopped child"
+        assert "prefill0 sent no watchdog ping" in d.output()
+        t_cont = time.monotonic()
+        listener.wait("WATCHDOG", "1", after=t_cont, timeout=10)  # and resume with it
         t_term = time.monotonic()
         d.signal(signal.SIGTERM)
         assert d.wait(60) == 0

@@ -31,10 +31,14 @@ def run(cfg: RouterConfig, reload_source: Callable[[], RouterConfig] | None = No
         raise ConfigError("targets = []: the router needs at least one decode server (host:port) - at `$.targets`")
     tokenizer = None
     if cfg.model:
+        from trnd.model.config import ModelError
         from trnd.model.tokenizer import Tokenizer
         from trnd.model.maker import resolve_model
 
-        tokenizer = Tokenizer.from_dir(resolve_model(cfg.model))
+        try:  # a missing or broken model directory: one line, exit 78 (cli.py), like the other roles
+            tokenizer = Tokenizer.from_dir(resolve_model(cfg.model))
+        except (OSError, ValueError) as e:
+            raise ModelError(f"model = {cfg.model!r}: {e}") from None
     from trnd.procs import bind_port
 
     sock = bind_port(cfg.host, cfg.port, "port")  # another process on it: one line, exit 1
