@@ -374,6 +374,39 @@ def test_stop_drains_a_running_stream_to_completion(machine):
     assert s == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0", "NRestarts": "0"}, s
 
 
+def test_a_hung_role_is_killed_by_the_watchdog_and_restarted(machine):
+    """A role that stops answering (kill -STOP: no thread of it runs, as in a hung step that holds the GIL)
+    is killed by WatchdogSec and restarted by systemd; it serves the same greedy answer after, and the
+    failure is in what DEPLOY.md tells an operator to read (journalctl -u trnd@decode -p warning)."""
+    m = machine
+    m.sh("""mkdir -p /etc/systemd/system/trnd@decode.service.d
+            printf '[Service]\\nWatchdogSec=4s\\n' > /etc/systemd/system/trnd@decode.service.d/watchdog.conf
+            systemctl daemon-reload""")
+    try:
+        m.sh("systemctl start trnd@prefill && systemctl restart trnd@decode", timeout=300)
+        before = m.client("complete", 1)
+        assert before["status"] == 200, before
+        s = show(m, "trnd@decode", "MainPID", "NRestarts", "WatchdogUSec")
+        assert s["WatchdogUSec"] == "4s", s
+        warned = [ln for ln in journal(m, "-u trnd@decode -p warning") if "atchdog" in ln]
+        m.sh(f"kill -STOP {s['MainPID']}")
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            now = show(m, "trnd@decode", "MainPID", "NRestarts", "ActiveState", "SubState")
+            if now["NRestarts"] == str(int(s["NRestarts"]) + 1) and (now["ActiveState"], now["SubState"]) == (
+                    "active", "running"):
+                break  # Type=notify: active/running again means the new process sent READY=1
+            time.sleep(0.5)
+        assert now["MainPID"] != s["MainPID"] and now["ActiveState"] == "active", now
+        assert now["NRestarts"] == str(int(s["NRestarts"]) + 1), now
+        after = m.client("complete", 1)
+        assert after["status"] == 200 and after["text"] == before["text"], (before, after)  # temperature 0
+        lines = [ln for ln in journal(m, "-u trnd@decode -p warning") if "atchdog" in ln]
+        assert len(lines) > len(warned), lines  # e.g. "Watchdog timeout (limit 4s)!", "Failed with result 'watchdog'"
+    finally:
+        m.sh("rm -f /etc/systemd/system/trnd@decode.service.d/watchdog.conf; systemctl daemon-reload")
+
+
 def test_a_bad_config_exits_78_with_one_error_line_and_no_restart(machine):
     m = machine
     m.sh("systemctl stop trnd@decode; cp /etc/trnd/decode.toml /root/decode.toml; "
