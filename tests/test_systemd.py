@@ -585,7 +585,7 @@ def test_serve_deployment_supervisor_speaks_for_its_children(tiny_qwen3, tmp_pat
         line = next(ln for ln in d.output().splitlines() if "deployment ready:" in ln)
         named = {int(n) for n in re.findall(r"pid (\d+)", line)}
         assert len(named) == 2 and named <= kids, (line, kids)
-        assert f"decode pid" in line and f"127.0.0.1:{port}" in line, line
+        assert "decode pid" in line and f"127.0.0.1:{port}" in line, line
         # A child whose pings stop (stopped, as a hung engine step would be) stops the deployment's.
         prefill_pid = int(re.search(r"prefill0 pid (\d+)", line)[1])
         os.kill(prefill_pid, signal.SIGSTOP)

@@ -151,7 +151,11 @@ class PrefillServer:
                 else:
                     chan._reject(f"unexpected {type(msg).__name__}")
         except (P.ChannelClosed, ConnectionError, OSError) as e:  # a reset shows up on send, too
-            log.warning("decode server %s gone: %s; aborting its requests", addr, e)
+            n = sum(1 for h in list(self.handoffs.by_local.values()) if h.peer == peer.id)  # engine thread's dict
+            if n:  # a decode server that stops cleanly has drained first: only a loss mid-request warns
+                log.warning("decode server %s gone: %s; aborting its %d requests", addr, e, n)
+            else:
+                log.info("decode server %s disconnected (%s)", addr, e)
         finally:
             peer.alive = False
             chan.close()

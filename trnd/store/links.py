@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from trnd.log import Failures
 from trnd.store import protocol as S
 
 log = logging.getLogger("trnd.store.client")
@@ -36,9 +37,13 @@ class Store:
     restarts: int = 0  # handshakes that found a new store_id (its cache was lost)
     slow_until: float = 0.0
     slow_backoff: float = 0.0
+    failures: Failures = field(init=False)  # a store that stays away: a few lines, not one per retry
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("lookups", "hits", "misses", "pages_loaded", "bytes_in", "pages_stored", "pages_present", "bytes_out",
          "timeouts", "errors", "corrupt"), 0))
+
+    def __post_init__(self):
+        self.failures = Failures(log, f"store {self.addr}")
 
 
 class Links:
@@ -53,6 +58,8 @@ class Links:
                 raise
             except (S.ChannelClosed, ConnectionError, OSError, TimeoutError) as e:
                 s.error = str(e) or e.__class__.__name__
+                if not s.healthy:  # connecting or handshaking (a loss once connected is _lost's line)
+                    s.failures.failed(s.error if s.refused else f"unreachable: {s.error}")
             except Exception as e:  # never let one store's task die
                 s.error = f"{type(e).__name__}: {e}"
                 log.exception("store %s connection task", s.addr)
@@ -68,10 +75,8 @@ class Links:
         await chan.answer(lambda n: S.StoreHello(self.manifest, self.agent.name, n), 5.0)
         reply = await asyncio.wait_for(chan.recv(strict=True), 5.0)
         if isinstance(reply, S.Refused):
-            if s.refused != reply.reason:
-                log.error("store %s refused this client: %s", s.addr, reply.reason)
             s.refused = reply.reason
-            raise ConnectionError(f"refused: {reply.reason}")
+            raise ConnectionError(f"refused this client: {reply.reason}")
         if not isinstance(reply, S.StoreWelcome):
             raise ConnectionError(f"unexpected {type(reply).__name__} in the handshake")
         if reply.slot_bytes != self.page_bytes:
@@ -89,7 +94,8 @@ class Links:
         s.slow_until, s.slow_backoff = 0.0, 0.0
         s.healthy = True
         s.connects += 1
-        log.info("store %s connected (%d slots of %d bytes)", s.addr, reply.num_slots, reply.slot_bytes)
+        log.info("store %s connected (%d slots of %d bytes)%s", s.addr, reply.num_slots, reply.slot_bytes,
+                 s.failures.recovered() or "")
 
     async def _serve(self, s: Store) -> None:
         pinger = asyncio.create_task(self._pinger(s))
