@@ -1,11 +1,17 @@
 """`trnd serve` (default): a local disaggregated deployment on one machine. Starts N `trnd prefill` and M
 `trnd decode` processes on loopback (`--prefill N --decode M`, default 1 and 1; every decode server
 connects to every prefill server and picks the least loaded), and with M > 1 a `trnd router` on the
-serve port in front of the decode servers (with M = 1 the decode server has the port itself). It
-supervises them: a prefill or decode server that dies is restarted (its peers re-handshake; the router
-takes a dead decode server out and puts it back when it answers); the API front (the router, or the one
-decode server) is the deployment's lifetime. SIGTERM/SIGINT/SIGHUP are forwarded.
-`trnd serve --aggregated` runs everything in one process instead."""
+serve port in front of the decode servers (with M = 1 the decode server has the port itself).
+
+It knows its children by pid: each speaks the notify protocol to the supervisor's own socket (the
+kernel names the sender), READY=1 with the ports it bound (X_TRND_LISTEN), so another process on a
+port never counts as one of them. Their ports come from the config or flags (prefill_control_port,
+prefill_admin_port, decode_port; unset: free ports, printed), tried before any child starts: one in
+use is one line and exit 1. A child that fails before the deployment was first ready stops it with
+the child's status; after that a prefill or decode server that dies is restarted (its peers
+re-handshake; the router takes a dead decode server out and puts it back when it answers); the API
+front (the router, or the one decode server) is the deployment's lifetime. SIGTERM/SIGINT/SIGHUP are
+forwarded. `trnd serve --aggregated` runs everything in one process instead."""
 
 from __future__ import annotations
 
