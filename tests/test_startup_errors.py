@@ -109,3 +109,31 @@ def test_every_startup_error_is_one_line_at_error_priority(tiny_qwen3, tmp_path,
     assert want in errors[0], errors
     if kind.startswith("port"):
         assert "in use" in errors[0], errors
+
+
+def test_a_port_taken_after_the_supervisors_check_stops_the_deployment_with_exit_1(tiny_qwen3):
+    """The supervisor tries every child's port before starting them; another process that takes one in
+    between is found by the child itself: one line at error priority naming the port, the supervisor
+    says which child stopped the deployment (a warning), exit 1 (a restart can fix it). Nothing of the
+    other process counts as the deployment's decode server, though it answers on its port."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trnd", "serve", "--model", str(tiny_qwen3), "--port", str(port),
+                             "--threads", "1", "--kv-memory-gb", "0.05"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "JOURNAL_STREAM": "8:1"})
+    holder = socket.socket()
+    try:
+        assert proc.stdout.readline().startswith("trnd: local deployment:")  # the children are starting
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the child binds: whichever is first
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+        holder.close()
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    errors = [ln for ln in err.splitlines() if re.match(r"<[0-3]>", ln)]
+    assert len(errors) == 1 and str(port) in errors[0], err[-3000:]
+    assert any(ln.startswith("<4>") and "decode exited with 1 before the deployment was ready" in ln
+               for ln in err.splitlines()), err[-3000:]
+    assert "deployment ready" not in err

@@ -194,7 +194,7 @@ class Lifecycle:
         task = asyncio.create_task(_serve_http(http), name="trnd-http")
         while not http.started:
             if task.done():
-                return self._http_died(task)
+                return self._http_died(task, http)
             await asyncio.sleep(0.02)
         warmed = warmup is None
         while not self._stop_event.is_set():
@@ -224,7 +224,7 @@ class Lifecycle:
             self._last_status = self.running_status()
         while not self._stop_event.is_set():
             if task.done():
-                return self._http_died(task)
+                return self._http_died(task, http)
             if self.loop is not None and self.loop.error is not None:
                 log.error("engine loop crashed: exiting so that the service manager restarts this role")
                 self.status("failed: engine loop crashed")
@@ -243,9 +243,12 @@ class Lifecycle:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._stop_event.wait(), timeout)
 
-    def _http_died(self, task: asyncio.Task) -> int:
+    def _http_died(self, task: asyncio.Task, http) -> int:
+        """E.g. listen() on the port bound at start lost it to another process in between: one line
+        naming the port, exit 1 (a restart may find it free)."""
         exc = task.exception()
-        log.error("HTTP server stopped unexpectedly%s", f": {exc}" if exc else "")
+        port = getattr(getattr(http, "config", None), "port", "?")
+        log.error("HTTP server on port %s stopped unexpectedly%s", port, f": {exc}" if exc else "")
         self.status("failed: HTTP server stopped")
         return 1
 
