@@ -196,7 +196,8 @@ def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
             start(c)
         notify.status(f"starting {cfg.num_prefill} prefill and {cfg.num_decode} decode server(s)")
         print("trnd: local deployment: " + ", ".join(
-            f"{c.name} pid {c.proc.pid} ({', '.join(f'{k} {v}' for k, v in c.ports.items())})" for c in children)
+            f"{c.name} pid {c.proc.pid} (http://127.0.0.1:{c.port})"
+            + "".join(f" {k} {v}" for k, v in list(c.ports.items())[1:]) for c in children)
               + f"; API http://{cfg.host}:{cfg.port}/v1", flush=True)
         stopping, ready = False, False
         reload_at: dict[str, int] | None = None  # each child's READY count when SIGHUP was forwarded
