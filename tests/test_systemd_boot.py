@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "docs/DEPLOY.md"
 SYSTEMD_BIN = Path("/lib/systemd/systemd")
 DECODE_PORT, ROUTER_PORT = 8010, 8000  # configs/router.toml's layout: the router on 8000 before decode servers
+SERVE_PORT = 8030  # trnd@serve: its API; its prefill child on the next two
 EXPOSURE = 1.5  # `systemd-analyze security trnd@decode.service` today ("OK"); it must not get worse
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A process of the host environment that the install may need (a registry proxy, pip's own settings).
@@ -428,6 +429,34 @@ def test_a_bad_config_exits_78_with_one_error_line_and_no_restart(machine):
         assert lines[0] in journal(m, "-u trnd@decode -p warning")  # what DEPLOY.md tells an operator to run
     finally:
         m.sh("cp /root/decode.toml /etc/trnd/decode.toml; systemctl reset-failed trnd@decode || true")
+
+
+def test_trnd_serve_supervisor_is_ready_once_its_children_are_and_stops_them(machine):
+    """trnd@serve (the supervisor and its prefill + decode children): READY only once both children said
+    so on its own notify socket, with the ports they were given; openai through its port; stop drains."""
+    m = machine
+    m.sh("""cat > /etc/trnd/serve.toml <<'EOF'
+model = "/var/lib/trnd/models/tiny"
+port = %(api)d
+prefill_control_port = %(ctrl)d
+prefill_admin_port = %(admin)d
+kv_memory_gb = 0.1
+threads = 1
+EOF
+systemctl start trnd@serve""" % {"api": SERVE_PORT, "ctrl": SERVE_PORT + 1, "admin": SERVE_PORT + 2}, timeout=300)
+    try:
+        s = show(m, "trnd@serve", "ActiveState", "SubState", "StatusText", "MainPID")
+        assert (s["ActiveState"], s["SubState"]) == ("active", "running") and s["StatusText"].startswith("serving"), s
+        r = m.client("complete", 1, port=SERVE_PORT)
+        assert r["status"] == 200 and r["tokens"] == 4, r
+        ready = [ln for ln in journal(m, "-u trnd@serve") if "deployment ready:" in ln]
+        assert len(ready) == 1 and f"127.0.0.1:{SERVE_PORT + 1}" in ready[0] and f"127.0.0.1:{SERVE_PORT}" in ready[0]
+        kids = m.sh(f"cat /proc/{s['MainPID']}/task/*/children").stdout.split()
+        assert len(kids) == 2 and all(f"pid {k} " in ready[0] for k in kids), (kids, ready)
+    finally:
+        m.sh("systemctl stop trnd@serve", timeout=120)
+    s = show(m, "trnd@serve", "ActiveState", "Result", "ExecMainStatus")
+    assert s == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}, s
 
 
 def test_security_exposure_of_the_loaded_unit_does_not_get_worse(machine):
