@@ -225,6 +225,32 @@ def test_notify_messages_and_abstract_namespace(monkeypatch):
         li.close()
 
 
+def test_the_supervisors_listener_names_each_senders_pid(tmp_path, monkeypatch):
+    """notify.Listener (what trnd serve reads its children with): the kernel's pid for every datagram,
+    so a message is the child's own, whoever else can reach the socket."""
+    li = notify.Listener(str(tmp_path / "n"))
+    try:
+        monkeypatch.setenv("NOTIFY_SOCKET", li.path)
+        assert notify.ready("up", ["127.0.0.1:9"])
+        child = subprocess.Popen([sys.executable, "-c", "from trnd.daemon import notify; notify.watchdog()"],
+                                 env={**os.environ, "NOTIFY_SOCKET": li.path}, cwd=ROOT)
+        assert child.wait(60) == 0
+        got = wait_for_messages(li, 2)
+        assert got[0] == (os.getpid(), {"READY": "1", "X_TRND_LISTEN": "127.0.0.1:9", "STATUS": "up"})
+        assert got[1] == (child.pid, {"WATCHDOG": "1"})
+        assert li.receive() == []  # never blocks
+    finally:
+        li.close()
+
+
+def wait_for_messages(li, n: int, timeout: float = 10.0) -> list:
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += li.receive()
+        time.sleep(0.02)
+    return got
+
+
 def test_watchdog_interval_honours_watchdog_pid(monkeypatch, listener):
     monkeypatch.setenv("NOTIFY_SOCKET", listener.address)
     monkeypatch.setenv("WATCHDOG_USEC", "2000000")
