@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .procs import admin_state, free_port, stop, wait_for, wait_ready
 from .test_disagg import prompts
+from .test_top import until
 
 PAGE = 16
 
@@ -266,16 +267,6 @@ def test_top_follows_one_request_across_decode_and_prefill(disagg):
             assert await until(pilot, lambda: not isinstance(app.screen, TraceScreen))
 
     asyncio.run(go())
-
-
-async def until(pilot, pred, timeout: float = 10.0, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        await pilot.pause(step)
-    return pred()
 
 
 # -- the parts alone ----------------------------------------------------------------------------------
