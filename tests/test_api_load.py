@@ -192,3 +192,11 @@ def test_disconnect_during_prefill_aborts(slow_prefill_url, stream):
         assert time.monotonic() < deadline, s["running"]
         time.sleep(0.02)
     assert s["stats"]["aborted"] >= 1 and s["pages"]["in_use"] == 0
+
+
+def test_a_loop_stopped_before_it_started_just_stops():
+    """A role stopped by SIGTERM while it warms up unwinds through EngineLoop.stop() before start():
+    that must not raise ("cannot join thread before it is started" ended as a traceback)."""
+    from trnd.engine.loop import EngineLoop
+
+    EngineLoop(engine=None).stop()

@@ -66,9 +66,11 @@ class EngineLoop:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Also safe before start(): a role stopped while it warms up unwinds through here."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
 
     @property
     def num_requests(self) -> int:
