@@ -42,6 +42,8 @@ class Deployment:
         for proc, _, ap in self.prefills:
             wait_ready(ap, proc)
         wait_ready(self.port, self.decode)
+        # ready means one prefill peer handshaked; a test of failing over between peers needs them all
+        assert wait_for(lambda: sum(p["healthy"] for p in admin_state(self.port)["peers"]) == n_prefill, timeout=60)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0)
 
     def complete(self, prompt, **kw) -> dict:
