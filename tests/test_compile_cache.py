@@ -20,16 +20,8 @@ from tests.procs import admin_state, free_port, stop, wait_ready
 from trnd.config import ConfigError, PrefillConfig, load_config
 
 # Four graphs (decode batch 2, prefill chunk 16, page-table widths 1 and 2) keep the compile near a minute.
-POINTS = """
-[points.ct]
-max_context = 32
-max_batch = 2
-page_size = 16
-prefill_chunk = 16
-decode_buckets = [2]
-prefill_buckets = [16]
-
-[points.ct-twin]
+# ct-twin: the same shapes under another name (a cache must be refused for its point's name alone).
+_SHAPE = """
 max_context = 32
 max_batch = 2
 page_size = 16
@@ -37,6 +29,7 @@ prefill_chunk = 16
 decode_buckets = [2]
 prefill_buckets = [16]
 """
+POINTS = f"[points.ct]{_SHAPE}\n[points.ct-twin]{_SHAPE}"
 KV_GB = "0.002"
 PROMPTS = [[5, 17, 33, 250, 9, 71, 402, 8, 19, 600, 12, 44, 3, 90, 18, 27, 301, 55, 6, 14], [7, 8, 9, 10, 11]]
 

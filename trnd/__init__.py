@@ -8,7 +8,7 @@ import os
 # 17.1 (the workers fall asleep in the serial gaps between a step's ops); with other work on the cores,
 # 20000 gave 49-59 ms and 1000 or PASSIVE 24-27 ms (a spinning worker holds the core the thread it waits
 # for needs). So a role that has its cores spins 20000; processes that know they share the cores (a local
-# prefill + decode deployment, TP ranks) are started with GOMP_SPINCOUNT=1000 (roles/local.py). Set before
+# prefill + decode deployment, TP ranks) are started with GOMP_SPINCOUNT=1000 (roles/local.py, engine/workers.py). Set before
 # torch loads its OpenMP runtime; an operator's own settings win.
 SHARED_CORES_SPINCOUNT = "1000"
 OMP_SET_BY_OPERATOR = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ

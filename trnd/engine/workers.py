@@ -21,6 +21,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from trnd import OMP_SET_BY_OPERATOR, SHARED_CORES_SPINCOUNT
 from trnd.engine.runner import ModelRunner, StepInputs
 from trnd.parallel import TPGroup
 from trnd.procs import die_with_parent, free_port
@@ -80,17 +81,19 @@ class WorkerGroup:
         self.procs = [ctx.Process(target=worker_main, name=f"trnd-rank{r}", daemon=True,
                                   args=(r, size, self.port, model_dir, dtype, backend, pools[r], threads))
                       for r in range(1, size)]
-        # Ranks share the node's cores with rank 0: their OpenMP threads sleep when idle (trnd/__init__.py).
-        saved = os.environ.get("OMP_WAIT_POLICY")
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        # Ranks share the node's cores with rank 0: a short OpenMP spin (trnd/__init__.py). Not
+        # OMP_WAIT_POLICY=PASSIVE: libgomp lets the GOMP_SPINCOUNT a spawned rank inherits override it.
+        saved = os.environ.get("GOMP_SPINCOUNT")
+        if not OMP_SET_BY_OPERATOR:
+            os.environ["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
         try:
             for p in self.procs:
                 p.start()
         finally:
             if saved is None:
-                del os.environ["OMP_WAIT_POLICY"]
+                os.environ.pop("GOMP_SPINCOUNT", None)
             else:
-                os.environ["OMP_WAIT_POLICY"] = saved
+                os.environ["GOMP_SPINCOUNT"] = saved
         self._closing = False
         self.tp = init_group(0, size, self.port)
         self._watch = threading.Thread(target=self._watchdog, name="trnd-tp-watch", daemon=True)
