@@ -61,8 +61,9 @@ class Disagg:
         self.store = start(["store", "--secret-file", str(secret), "--control-port", str(scp), "--admin-port",
                             str(self.store_port), "--memory-gb", "0.05"], self.logs["store"])
         cp, self.prefill_port, self.port = free_port(), free_port(), free_port()
+        self.core_lock = d / "cores.lock"  # the two roles share this host's cores: they take turns
         common = ["--model", str(model), "--secret-file", str(secret), "--threads", "1", "--kv-memory-gb", "0.25",
-                  "--log-level", "debug"]
+                  "--log-level", "debug", "--core-lock", str(self.core_lock)]
         self.prefill = start(["prefill", *common, "--store", f"127.0.0.1:{scp}", "--control-port", str(cp),
                               "--admin-port", str(self.prefill_port)], self.logs["prefill"])
         self.decode = start(["decode", *common, "--prefill", f"127.0.0.1:{cp}", "--served-model-name", "m",
@@ -158,6 +159,10 @@ def test_metrics_on_decode_prefill_and_store_move_with_the_traffic(disagg):
     moved(dec, "decode", "trnd:decode_handoffs_total", by=1)
     assert total(dec, "trnd:kv_transfers_in_flight") == 0
     assert total(dec, "trnd:num_preemptions_total") == 0
+    # both roles took turns on the cores through the one lock file, and say how long they waited
+    assert disagg.core_lock.exists()
+    for m in (dec, pre):
+        assert any(n == "trnd:core_lock_wait_seconds_total" for n, _ in m), sorted({n for n, _ in m})
     # the sources of the previous test's cached tokens, on decode
     for src in ("device", "prefill", "remote"):
         assert total(dec, "trnd:prompt_tokens_cached_total", source=src) >= 288, src

@@ -7,13 +7,18 @@ import os
 # "OpenMP wait policy"): alone on the cores, 20000 (~0.2 ms) gave TPOT p50 12.7-13.1 ms, 5000 14.8, 1000
 # 17.1 (the workers fall asleep in the serial gaps between a step's ops); with other work on the cores,
 # 20000 gave 49-59 ms and 1000 or PASSIVE 24-27 ms (a spinning worker holds the core the thread it waits
-# for needs). So a role that has its cores spins 20000; processes that know they share the cores (a local
-# prefill + decode deployment, TP ranks) are started with GOMP_SPINCOUNT=1000 (roles/local.py, engine/workers.py). Set before
-# torch loads its OpenMP runtime; an operator's own settings win.
+# for needs). So a role that has its cores spins 20000; processes that compute on shared cores at once (TP
+# ranks; a local prefill + decode deployment with share_cores off) are started with GOMP_SPINCOUNT=1000
+# (engine/workers.py, roles/local.py); a local deployment's roles take turns by default (engine/corelock.py)
+# and keep 20000. Set before torch loads its OpenMP runtime; an operator's own settings win.
+# The default is marked (TRND_GOMP_DEFAULT) so that a trnd process started by another (`trnd serve`'s roles,
+# `trnd bench`'s servers) does not take the value its parent set for an operator's.
 SHARED_CORES_SPINCOUNT = "1000"
-OMP_SET_BY_OPERATOR = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+_inherited = os.environ.get("GOMP_SPINCOUNT") is not None and os.environ.get("GOMP_SPINCOUNT") == os.environ.get(
+    "TRND_GOMP_DEFAULT")
+OMP_SET_BY_OPERATOR = "OMP_WAIT_POLICY" in os.environ or ("GOMP_SPINCOUNT" in os.environ and not _inherited)
+if not OMP_SET_BY_OPERATOR:
+    os.environ["GOMP_SPINCOUNT"] = os.environ["TRND_GOMP_DEFAULT"] = "20000"
 
 
 def _keep_large_blocks() -> None:

@@ -56,6 +56,9 @@ def _serve_parser(sub) -> None:
                    help="local deployment: the first prefill server's admin HTTP port (likewise)")
     p.add_argument("--decode-port", type=int, metavar="PORT",
                    help="local deployment with --decode M > 1: the first decode server's API port (likewise)")
+    p.add_argument("--no-share-cores", dest="share_cores", action="store_const", const=False,
+                   help="local deployment: let the roles compute at once instead of taking turns on the cores "
+                        "(engine/corelock.py)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree: ranks (processes) sharding the model "
                                           "(default 1)")
     p.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
@@ -95,6 +98,9 @@ def _role_flags(p) -> None:
     p.add_argument("--compile-cache", metavar="DIR",
                    help="load every bucket's graph from a `trnd compile` output (implies --static); refuses a "
                         "cache built for another model, point, dtype or torch")
+    p.add_argument("--core-lock", metavar="FILE",
+                   help="roles on one node's cores: hold this file's lock per forward pass, taking turns "
+                        "(the same FILE in each; engine/corelock.py)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 

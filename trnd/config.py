@@ -73,6 +73,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Local deployment: fixed ports for its children (None: a free port each, picked at start and printed).
     prefill_control_port: Port | None = None  # the first prefill server's; the i-th takes port + i
     prefill_admin_port: Port | None = None  # likewise (its /health, /ready, /metrics, /admin)
+    # Local deployment: its roles take turns on the cores, one forward pass at a time (engine/corelock.py).
+    share_cores: bool = True
     decode_port: Port | None = None  # with num_decode > 1: the first decode server's API port (the router has `port`)
     num_prefill: Annotated[int, Meta(ge=1, le=16)] = 1  # local deployment: prefill servers (--prefill N)
     num_decode: Annotated[int, Meta(ge=1, le=16)] = 1  # decode servers (--decode M); > 1: `trnd router` on port
@@ -82,6 +84,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     reasoning_parser: str = "none"  # qwen3 | deepseek_r1 | none
     static: bool = False  # every step padded to the point's buckets, one compiled graph each (engine/static.py)
     compile_cache: str | None = None  # a `trnd compile` output dir: its graphs are loaded, none compiled (implies static)
+    # A file every role on this node's cores locks around each forward pass, so they take turns instead of
+    # oversubscribing the cores (engine/corelock.py); `trnd serve` sets one for its roles. None: off.
+    core_lock: str | None = None
 
     def __post_init__(self):
         _check_common(self)
@@ -182,6 +187,7 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     store_deadline_s: Annotated[float, Meta(gt=0)] = 1.0  # a slower store is a cache miss
     static: bool = False  # every step padded to the point's buckets, one compiled graph each (engine/static.py)
     compile_cache: str | None = None  # a `trnd compile` output dir: its graphs are loaded, none compiled (implies static)
+    core_lock: str | None = None  # as ServeConfig.core_lock
 
     def __post_init__(self):
         _check_common(self)

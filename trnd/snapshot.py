@@ -138,6 +138,7 @@ class Stats(_S):
     aborted: int = 0
     last_step_s: float = 0.0
     last_step_tokens: int = 0
+    core_lock_wait_s: float = 0.0
     started: float = 0.0
 
 

@@ -167,7 +167,9 @@ class _EngineCounters:
                               stats.preemptions),
                              ("trnd:prefill_tokens", "Prompt tokens computed (cache hits excluded).", stats.prefill_tokens),
                              ("trnd:engine_requests_finished", "Requests the engine finished.", stats.finished),
-                             ("trnd:engine_requests_aborted", "Requests the engine aborted.", stats.aborted)):
+                             ("trnd:engine_requests_aborted", "Requests the engine aborted.", stats.aborted),
+                             ("trnd:core_lock_wait_seconds", "Time forward passes waited for another role on "
+                              "this node's cores (engine/corelock.py).", stats.core_lock_wait_s)):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([m], v)
             yield c

@@ -19,6 +19,7 @@ from trnd.cache.host import HostTier
 from trnd.cache.pages import PagePool
 from trnd.cache.radix import RadixCache
 from trnd.cache.tiers import Tiers
+from trnd.engine.corelock import CoreLock
 from trnd.engine.output import OutputStream, StepOutput
 from trnd.engine.request import Req, SamplingParams
 from trnd.backends import get_backend, resolve_dtype
@@ -67,6 +68,7 @@ class EngineConfig:
     static: bool = False  # pad steps to the point's shape buckets, compiled per bucket (engine/static.py)
     point: str | None = None  # decode point whose buckets the static path uses; None: derived from this config
     compiler: str | None = None  # the static path's torch.compile backend; None: static.COMPILERS for the device
+    core_lock: str | None = None  # a file the roles sharing this node's cores lock per forward (engine/corelock.py)
 
     def __post_init__(self):
         if self.static and self.tp > 1:
@@ -89,6 +91,7 @@ class EngineStats:
     aborted: int = 0
     last_step_s: float = 0.0
     last_step_tokens: int = 0
+    core_lock_wait_s: float = 0.0  # waiting for another role's forward to leave the cores (engine/corelock.py)
     started: float = field(default_factory=time.time)
 
 
@@ -133,6 +136,7 @@ class Engine:
         # Roles hook in here: called after each forward, before sampling and finishing (prefill ships
         # the pages a chunk completed while the next chunk computes: roles/prefill.py).
         self.on_forward: Callable[[Batch], None] | None = None
+        self.core_lock = CoreLock(cfg.core_lock) if cfg.core_lock else None
         # Pages a role keeps beyond any request: a NIXL write still reading them (prefill), a peer's
         # write that may still land (decode's quarantine). One pool reference each (hold/drop).
         self.held: Counter[int] = Counter()
@@ -305,7 +309,12 @@ class Engine:
         inputs, sampled = prepare(batch, self.cfg.page_size)
         if self.workers:
             self.workers.step(inputs)
-        logits = self.runner.forward(inputs)
+        if self.core_lock is None:
+            logits = self.runner.forward(inputs)
+        else:
+            with self.core_lock.held():
+                logits = self.runner.forward(inputs)
+            self.stats.core_lock_wait_s = self.core_lock.waited_s
         if self.on_forward:
             self.on_forward(batch)
         outs = self.postprocess(batch, logits, sampled)
@@ -375,6 +384,9 @@ class Engine:
         return self.tiers.busy
 
     def close(self) -> None:
+        if self.core_lock is not None:
+            self.core_lock.close()
+            self.core_lock = None
         if self.tiers is not None:
             self.tiers.close()
         if self.workers:

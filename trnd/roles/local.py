@@ -80,7 +80,8 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
             "secret_file": str(secret), "log_level": cfg.log_level, "host_cache_gb": cfg.host_cache_gb,
             "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb,
             "store": list(cfg.store), "store_on_finish": cfg.store_on_finish, "store_deadline_s": cfg.store_deadline_s,
-            "static": cfg.static, "compile_cache": cfg.compile_cache}
+            "static": cfg.static, "compile_cache": cfg.compile_cache,
+            "core_lock": str(workdir / "cores.lock") if cfg.share_cores else cfg.core_lock}
     children, controls = [], []
     for i in range(cfg.num_prefill):
         control = cfg.prefill_control_port + i if cfg.prefill_control_port else free_port()
@@ -93,9 +94,10 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
         controls.append(f"127.0.0.1:{control}")
     dec = msgspec.structs.asdict(cfg)
     for k in ("aggregated", "prefill_control_port", "prefill_admin_port", "page_size", "num_pages", "token_budget",
-              "chunk_size", "max_batch", "num_prefill", "num_decode", "router_policy", "secret", "decode_port"):
+              "chunk_size", "max_batch", "num_prefill", "num_decode", "router_policy", "secret", "decode_port",
+              "share_cores"):
         dec.pop(k, None)  # the decode point fixes the shapes
-    dec.update(model=model, secret_file=str(secret), prefill=controls)
+    dec.update(model=model, secret_file=str(secret), prefill=controls, core_lock=role["core_lock"])
     if cfg.num_decode == 1:
         children.append(Child("decode", "decode", _write(workdir / "decode.toml", dec), {"port": cfg.port}))
         return children
@@ -174,7 +176,9 @@ def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
     ready stops it with the child's exit status; after that a dead child is restarted."""
 
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-    if not OMP_SET_BY_OPERATOR:  # the roles share this node's cores: a short spin (trnd/__init__.py)
+    if not OMP_SET_BY_OPERATOR and not cfg.share_cores:
+        # the roles compute on this node's cores at once: a short spin (trnd/__init__.py); taking turns
+        # (share_cores, engine/corelock.py) each keeps the spin of a role alone
         env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
     watchdog_s = notify.watchdog_interval()
     with tempfile.TemporaryDirectory(prefix="trnd-serve-") as tmp:

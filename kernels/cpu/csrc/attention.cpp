@@ -3,7 +3,9 @@
 //
 // decode_attention: per work item (sequence b, KV head h, a range of its context) the G query heads of that
 // KV head go through the range's pages together, so each K/V row is loaded once for all of them; scores
-// and the online softmax are fp32 (K/V widened from bf16 on load, or dotted natively with dpbf16). Long
+// and the online softmax are fp32 (K/V widened from bf16 on load, or dotted natively with dpbf16). Scores
+// go a row and a block of W slots at a time, the block's W dot products reduced together (vsum_lanes):
+// a horizontal sum per token was most of the kernel's time. Long
 // contexts are split into several items when there are fewer items than threads can balance; their
 // partial (unnormalized output, max, sum) are merged by log-sum-exp afterwards. No page is copied and
 // no mask is built: each item reads only the slots below its sequence's context length.
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -47,26 +50,48 @@ struct Rows {
   float m[GB], l[GB];
 };
 
-// s[g][j] = scale * sum(a[g]) for the GB rows; four rows at a time where there are four.
+// s[g][j] = scale * sum(a[g]) for the GB rows; four rows at a time while there are four.
 template <int GB, typename V>
 inline void store_sums(Rows<GB>& r, const V* a, int64_t j, float scale) {
-  if constexpr (GB >= 4) {
-#pragma GCC unroll 2
-    for (int g = 0; g < GB; g += 4) {
-      alignas(16) float t[4];
-      _mm_store_ps(t, _mm_mul_ps(vsum4(a[g], a[g + 1], a[g + 2], a[g + 3]), _mm_set1_ps(scale)));
-      for (int i = 0; i < 4; ++i) r.s[(g + i) * MAX_P + j] = t[i];
-    }
-  } else {
-    for (int g = 0; g < GB; ++g) r.s[g * MAX_P + j] = vsum(a[g]) * scale;
+  int g = 0;
+  for (; g + 4 <= GB; g += 4) {
+    alignas(16) float t[4];
+    _mm_store_ps(t, _mm_mul_ps(vsum4(a[g], a[g + 1], a[g + 2], a[g + 3]), _mm_set1_ps(scale)));
+    for (int i = 0; i < 4; ++i) r.s[(g + i) * MAX_P + j] = t[i];
   }
+  for (; g < GB; ++g) r.s[g * MAX_P + j] = vsum(a[g]) * scale;
 }
 
-// Scores of rows x tokens [j0, j1) of one page: s[g][j - j0] = q[g] . K[j] (q pre-scaled).
+// Scores of rows x tokens [j0, j1) of one page of P slots: s[g][j - j0] = q[g] . K[j] (q pre-scaled).
+// Whole blocks of W slots go row by row: W tokens' products accumulated in W registers, then reduced
+// together (vsum_lanes), and the block's K (widened once to fp32 when bf16) stays in L1 across the rows.
+// A block may run past j1 inside the page: those lanes are masked by softmax_step. Slots a block would
+// read past the page's end (P not a multiple of W) go token by token.
 template <typename T, int GB>
-inline void scores(Rows<GB>& r, const T* K, int64_t D, int64_t j0, int64_t j1) {
+inline void scores(Rows<GB>& r, const T* K, int64_t D, int64_t P, int64_t j0, int64_t j1, float* kf) {
   const int64_t nc = D / W;
-  for (int64_t j = j0; j < j1; ++j) {
+  int64_t j = j0;
+  for (; j < j1 && j + W <= P; j += W) {
+    const float* kb;
+    if constexpr (std::is_same_v<T, float>) {
+      kb = K + j * D;
+    } else {
+      for (int64_t i = 0; i < W * D; i += W) vstore(kf + i, vload(K + j * D + i));
+      kb = kf;
+    }
+    for (int g = 0; g < GB; ++g) {
+      vf a[W];
+#pragma GCC unroll 16
+      for (int t = 0; t < W; ++t) a[t] = vzero();
+      for (int64_t c = 0; c < nc; ++c) {
+        const vf qv = vload(r.q + g * D + c * W);
+#pragma GCC unroll 16
+        for (int t = 0; t < W; ++t) a[t] = vfma(qv, vload(kb + t * D + c * W), a[t]);
+      }
+      vstore(r.s + g * MAX_P + (j - j0), vsum_lanes(a));
+    }
+  }
+  for (; j < j1; ++j) {
     const T* kr = K + j * D;
     vf a[GB];
 #pragma GCC unroll 8
@@ -81,13 +106,30 @@ inline void scores(Rows<GB>& r, const T* K, int64_t D, int64_t j0, int64_t j1) {
 }
 
 #if defined(__AVX512F__)
-// The same with AVX-512 BF16's dot product of bf16 pairs (32 products per instruction, fp32 accumulate):
-// called only where kernels/cpuinfo.py found avx512_bf16, and only for bf16 K.
+// The same with AVX-512 BF16's dot product of bf16 pairs (32 products per instruction, fp32 accumulate,
+// K read straight from the page as the instruction's memory operand): called only where
+// kernels/cpuinfo.py found avx512_bf16, and only for bf16 K.
 template <int GB>
-__attribute__((target("avx512bf16"))) void scores_dpbf16(Rows<GB>& r, const bf16* K, int64_t D, int64_t j0,
-                                                        int64_t j1, float scale) {
+__attribute__((target("avx512bf16"))) void scores_dpbf16(Rows<GB>& r, const bf16* K, int64_t D, int64_t P,
+                                                        int64_t j0, int64_t j1, float scale) {
   const int64_t nc = D / 32;
-  for (int64_t j = j0; j < j1; ++j) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  int64_t j = j0;
+  for (; j < j1 && j + 16 <= P; j += 16) {
+    for (int g = 0; g < GB; ++g) {
+      __m512 a[16];
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < nc; ++c) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(r.qb + g * D + c * 32);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; ++t)
+          a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_loadu_si512(K + (j + t) * D + c * 32));
+      }
+      _mm512_storeu_ps(r.s + g * MAX_P + (j - j0), _mm512_mul_ps(vsum_lanes(a), vs));
+    }
+  }
+  for (; j < j1; ++j) {
     const bf16* kr = K + j * D;
     __m512 a[GB];
 #pragma GCC unroll 8
@@ -172,6 +214,7 @@ void run_rows(const Args& a, const Item& it, int64_t g0, int64_t gn, Emit&& emit
   const Pool& p = a.pool;
   const int64_t D = p.D, P = p.P;
   Rows<GB> r;
+  alignas(64) float kf[W * MAX_D];  // one block of K widened to fp32 (bf16 pools)
   const T* q = static_cast<const T*>(a.q) + it.b * a.q_s0 + (it.h * a.G + g0) * a.q_s1;
   for (int g = 0; g < GB; ++g) {
     for (int64_t d = 0; d < D; ++d) {
@@ -201,13 +244,13 @@ void run_rows(const Args& a, const Item& it, int64_t g0, int64_t gn, Emit&& emit
     }
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, bf16>) {
-      if (a.dpbf16 && D % 32 == 0) scores_dpbf16<GB>(r, K, D, j0, j1, a.scale);
-      else scores<T, GB>(r, K, D, j0, j1);
+      if (a.dpbf16 && D % 32 == 0) scores_dpbf16<GB>(r, K, D, P, j0, j1, a.scale);
+      else scores<T, GB>(r, K, D, P, j0, j1, kf);
     } else {
-      scores<T, GB>(r, K, D, j0, j1);
+      scores<T, GB>(r, K, D, P, j0, j1, kf);
     }
 #else
-    scores<T, GB>(r, K, D, j0, j1);
+    scores<T, GB>(r, K, D, P, j0, j1, kf);
 #endif
     softmax_step<GB>(r, D, j1 - j0);
     accumulate<T, GB>(r, V, D, j0, j1 - j0);
@@ -235,11 +278,18 @@ void run_item(const Args& a, const Item& it, T* out, int64_t out_s0, float* part
 
 template <typename T>
 void run_item_any(const Args& a, const Item& it, T* out, int64_t out_s0, float* part_o, float* part_ml) {
-  // GB: query rows per pass, the smallest of 1, 2, 4, 8 that holds the group (larger groups take passes of 8)
-  if (a.G == 1) run_item<T, 1>(a, it, out, out_s0, part_o, part_ml);
-  else if (a.G == 2) run_item<T, 2>(a, it, out, out_s0, part_o, part_ml);
-  else if (a.G <= 4) run_item<T, 4>(a, it, out, out_s0, part_o, part_ml);
-  else run_item<T, 8>(a, it, out, out_s0, part_o, part_ml);
+  // GB: query rows per pass, the whole group up to 8 (no padded rows: a group of 3 does 3 rows' work);
+  // larger groups take passes of 8
+  switch (a.G) {
+    case 1: return run_item<T, 1>(a, it, out, out_s0, part_o, part_ml);
+    case 2: return run_item<T, 2>(a, it, out, out_s0, part_o, part_ml);
+    case 3: return run_item<T, 3>(a, it, out, out_s0, part_o, part_ml);
+    case 4: return run_item<T, 4>(a, it, out, out_s0, part_o, part_ml);
+    case 5: return run_item<T, 5>(a, it, out, out_s0, part_o, part_ml);
+    case 6: return run_item<T, 6>(a, it, out, out_s0, part_o, part_ml);
+    case 7: return run_item<T, 7>(a, it, out, out_s0, part_o, part_ml);
+    default: return run_item<T, 8>(a, it, out, out_s0, part_o, part_ml);
+  }
 }
 
 template <typename T>

@@ -101,6 +101,36 @@ inline void vstore(bf16* p, vf x) {
 }
 #endif
 
+// The sums of W vectors at once, lane t of the result = sum of a[t]'s lanes: a transpose-and-add tree
+// (unpack, shuffle, then across 128-bit lanes), ~3 instructions a vector instead of a horizontal sum each.
+// Lanes of different a[t] never mix, so a garbage a[t] (a slot past the context) spoils only lane t.
+#if defined(__AVX512F__)
+inline vf vsum_lanes(const vf* a) {
+  vf c[4];
+  for (int k = 0; k < 4; ++k) {
+    const vf* x = a + 4 * k;
+    vf b01 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    vf b23 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    // each 128-bit lane L: [sum_L x0, sum_L x1, sum_L x2, sum_L x3]
+    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b01, b23, 0x44), _mm512_shuffle_ps(b01, b23, 0xEE));
+  }
+  vf d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  vf d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+#else
+inline vf vsum_lanes(const vf* a) {
+  vf c[2];
+  for (int k = 0; k < 2; ++k) {
+    const vf* x = a + 4 * k;
+    vf b01 = _mm256_add_ps(_mm256_unpacklo_ps(x[0], x[1]), _mm256_unpackhi_ps(x[0], x[1]));
+    vf b23 = _mm256_add_ps(_mm256_unpacklo_ps(x[2], x[3]), _mm256_unpackhi_ps(x[2], x[3]));
+    c[k] = _mm256_add_ps(_mm256_shuffle_ps(b01, b23, 0x44), _mm256_shuffle_ps(b01, b23, 0xEE));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
+#endif
+
 // The sums of four vectors at once, [sum a, sum b, sum c, sum d]: cheaper than four horizontal sums.
 inline __m128 vsum4(vf a, vf b, vf c, vf d) {
   return _mm_hadd_ps(_mm_hadd_ps(vquarter(a), vquarter(b)), _mm_hadd_ps(vquarter(c), vquarter(d)));

@@ -1,0 +1,109 @@
+"""engine/corelock.py: the roles of one node take turns on its cores. Real processes hold the flock; what is
+checked is the order of events and the bounded wait, never how long anything took."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from trnd.engine.corelock import CoreLock
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from trnd.engine.corelock import CoreLock
+    lock = CoreLock(sys.argv[1])
+    assert lock.acquire()
+    with open(sys.argv[2], "a") as f:
+        f.write("holder-in\\n")
+    time.sleep(float(sys.argv[3]))
+    with open(sys.argv[2], "a") as f:
+        f.write("holder-out\\n")
+    lock.release()
+    time.sleep(60)  # stays alive: the lock must be free because it was released, not because it exited
+""")
+
+
+def start_holder(tmp_path, hold_s: float):
+    path, log = str(tmp_path / "cores.lock"), tmp_path / "events"
+    log.write_text("")
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, path, str(log), str(hold_s)])
+    for _ in range(600):
+        if "holder-in" in log.read_text():
+            return p, path, log
+        time.sleep(0.05)
+    p.kill()
+    raise AssertionError("the holder process never took the lock")
+
+
+def test_a_second_role_waits_for_the_holder_to_let_go(tmp_path):
+    p, path, log = start_holder(tmp_path, 1.0)
+    try:
+        lock = CoreLock(path, deadline_s=30)
+        assert lock.acquire()
+        with open(log, "a") as f:
+            f.write("waiter-in\n")
+        lock.release()
+        assert log.read_text().split() == ["holder-in", "holder-out", "waiter-in"]
+        assert lock.overruns == 0 and lock.waited_s > 0
+        assert lock.acquire()  # uncontended now: taken again at once, and let go
+        lock.release()
+        lock.close()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_stopped_holder_costs_at_most_the_deadline_and_a_dead_one_nothing(tmp_path):
+    p, path, log = start_holder(tmp_path, 60)
+    os.kill(p.pid, signal.SIGSTOP)  # a hung peer, holding the cores
+    try:
+        lock = CoreLock(path, deadline_s=0.3)
+        with lock.held():  # computes anyway once the deadline passed
+            pass
+        assert lock.overruns == 1
+        assert lock.acquire() is False and lock.overruns == 2  # a helper still blocked serves the next wait
+        p.kill()  # the kernel drops a dead holder's flock
+        p.wait()
+        assert lock.acquire() is True
+        lock.release()
+        assert lock.acquire() is True  # and nothing was left half-held
+        lock.release()
+        lock.close()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_two_locks_in_one_process_exclude_each_other(tmp_path):
+    """Each CoreLock opens its own file description, so two roles' locks in one process still exclude."""
+    a, b = CoreLock(str(tmp_path / "l"), deadline_s=0.2), CoreLock(str(tmp_path / "l"), deadline_s=0.2)
+    assert a.acquire()
+    assert b.acquire() is False and b.overruns == 1
+    a.release()
+    assert b.acquire() is True
+    b.release()
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_local_deployment_gives_its_roles_one_lock(tmp_path, share):
+    from trnd.config import ServeConfig
+    from trnd.roles.local import role_configs
+
+    import tomllib
+
+    children = role_configs(ServeConfig(model="/nonexistent", share_cores=share), "/nonexistent", tmp_path)
+    locks = {c.name: tomllib.loads(open(c.config).read()).get("core_lock") for c in children}
+    assert set(locks) == {"prefill0", "decode"}
+    if share:
+        assert locks["prefill0"] == locks["decode"] == str(tmp_path / "cores.lock")
+    else:
+        assert locks == {"prefill0": None, "decode": None}
