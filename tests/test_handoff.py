@@ -98,6 +98,19 @@ def test_awaited_prefill_failure_is_an_abort_when_fenced():
     assert led.entries["b"].over == "aborted"
 
 
+def test_awaited_prefill_failure_past_the_deadline_is_this_sides_timeout():
+    """The peer saying 'deadline passed' before this side's own check ran is still a timeout (504), and,
+    the peer having nothing in flight, nothing is cut."""
+    led = Awaited()
+    led.expect("a", "p", [4], 10.0, deadline=12.0)
+    led.expect("b", "p", [5], 10.0, deadline=12.0)
+    led.failed("a", "handoff deadline passed before the KV was written", now=12.001)
+    led.failed("b", "bad prompt", now=11.0)
+    assert led.entries["a"].over == "timeout" and "did not deliver the KV within 2 s" in led.entries["a"].reason
+    assert led.cut == {} and led.overdue(13.0) == []
+    assert (led.entries["b"].over, led.entries["b"].reason) == ("failed", "bad prompt")
+
+
 def test_awaited_lost_peer_quarantines_target_pages_for_fence_s():
     led = Awaited()
     led.expect("a", "p1", [4, 5], 0.0)

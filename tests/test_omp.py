@@ -47,3 +47,23 @@ def test_main_pool_released_and_helpers_single_threaded():
     assert with_pool > before  # the main thread's workers
     assert released < with_pool  # handed back
     assert helper <= released  # the helper ran its matmul without workers of its own
+
+
+def _omp_env(**env) -> list[str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "TRND_GOMP_DEFAULT")}
+    code = ("import os, trnd; e = trnd.environ_as_started(); "
+            "print(trnd.OMP_SET_BY_OPERATOR, os.environ.get('GOMP_SPINCOUNT'), e.get('GOMP_SPINCOUNT'))")
+    r = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+def test_the_spin_default_is_told_apart_from_an_operators_setting():
+    """trnd sets GOMP_SPINCOUNT=20000 for itself and marks it: a trnd process started by another (serve's
+    roles, bench's servers) must not take the inherited default for an operator's choice, and programs
+    that are not trnd (the bench's peer and load generator) get the environment without it."""
+    assert _omp_env() == ["False", "20000", "None"]  # nothing set: the default, not passed on to others
+    assert _omp_env(GOMP_SPINCOUNT="20000", TRND_GOMP_DEFAULT="20000") == ["False", "20000", "None"]  # inherited
+    assert _omp_env(GOMP_SPINCOUNT="20000") == ["True", "20000", "20000"]  # the operator's, though the same value
+    assert _omp_env(GOMP_SPINCOUNT="1000", TRND_GOMP_DEFAULT="20000") == ["True", "1000", "1000"]  # a parent's choice
+    assert _omp_env(OMP_WAIT_POLICY="PASSIVE") == ["True", "None", "None"]

@@ -21,6 +21,15 @@ if not OMP_SET_BY_OPERATOR:
     os.environ["GOMP_SPINCOUNT"] = os.environ["TRND_GOMP_DEFAULT"] = "20000"
 
 
+def environ_as_started() -> dict[str, str]:
+    """This process's environment without the OpenMP default trnd set: for programs that are not trnd
+    (a peer server or load generator in `trnd bench`), which must run as the operator started them."""
+    env = dict(os.environ)
+    if env.pop("TRND_GOMP_DEFAULT", None) is not None and not OMP_SET_BY_OPERATOR:
+        env.pop("GOMP_SPINCOUNT", None)
+    return env
+
+
 def _keep_large_blocks() -> None:
     """glibc serves every allocation above 128 KiB-32 MiB with a fresh mmap and returns it with munmap,
     so each step's large temporaries (the pages a decode batch attends over: 36 MB for 32 x 1100

@@ -15,8 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-
+from trnd import environ_as_started
 from trnd.procs import free_port
 
 
@@ -192,6 +191,7 @@ def make_server(key: str, ctx: Ctx, rnd: int = 1) -> Server:
         if key == "trnd-agg":
             cmd.append("--aggregated")
         return Server(key, cmd, env, port, ctx.out / f"{key}-r{rnd}.log", "/ready")
+    env = environ_as_started()  # the peer runs as its operator would start it, without trnd's OpenMP default
     peer = Path(ctx.peer_py).parent.parent
     preload = [TCMALLOC] if Path(TCMALLOC).exists() else []
     preload += [str(peer / "lib" / "libiomp5.so")] if (peer / "lib" / "libiomp5.so").exists() else []
@@ -249,7 +249,7 @@ def bench_cmd(ctx: Ctx, srv: Server, conc: int, result_dir: Path | None, name: s
 
 
 def client_env() -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env = dict(environ_as_started(), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     env.pop("LD_PRELOAD", None)
     return env
 

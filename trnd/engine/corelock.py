@@ -5,7 +5,7 @@ each role on the same cores. Computing at once, the two teams oversubscribe the 
 one waits on a thread the other has preempted, and a spinning worker holds a core the other needs. Taking
 turns, each forward pass has every core to itself and can spin between its ops as a role alone does
 (GOMP_SPINCOUNT 20000, trnd/__init__.py). Measured on 2 cores (docs/RESULTS.md, "Sharing the cores"):
-output tok/s at c=16 up 29% and at c=4 up 16%, c=1 unchanged. The aggregated server mixes prefill chunks
+the pair's output tok/s +28% at c=1, +20% at c=4, +10% at c=16 against computing at once. The aggregated server mixes prefill chunks
 into its decode steps for the same reason (engine/scheduler.py).
 
 An flock on a file every role opens: the kernel drops it when a holder dies. Uncontended, the lock is

@@ -23,6 +23,7 @@ log = logging.getLogger("trnd.engine")
 
 IDLE_CHECK_S = 0.5  # the loop checks the page pool once it has had no work for this long ...
 CHECK_EVERY_S = 10.0  # ... and not more often than this
+PARKED_POLL_S = 0.01  # parked work with nothing about to land: the loop's fallback poll (deadlines, tiers)
 
 
 class Unavailable(RuntimeError):
@@ -194,8 +195,12 @@ class EngineLoop:
                 while self.engine.failures:  # a request's KV source gave up: its stream ends with the error
                     rid, error = self.engine.failures.pop()
                     self.fail(rid, error)
-                if self.engine.idle_step:  # only parked work (remote loads): poll gently, don't spin
-                    self._wake.wait(0.0005)
+                if self.engine.idle_step:
+                    # only parked work: poll fast while a transfer is about to end (busy), else sleep until
+                    # a message wakes the loop (a peer's KVDone, a request): polling every 0.5 ms woke the
+                    # decode server 2000 times a second through each prefill, on the cores the prefill
+                    # server computed on (docs/RESULTS.md, "Sharing the cores")
+                    self._wake.wait(0.0005 if busy else PARKED_POLL_S)
                     self._wake.clear()
         except BaseException as e:  # a broken engine must not leave clients waiting forever
             log.exception("engine loop crashed")

@@ -190,7 +190,8 @@ class DecodeServer:
                 elif isinstance(msg, P.Aborted):
                     self.loop.call(lambda m=msg: self._settled(m.rid) or self.awaited.aborted(m.rid))
                 elif isinstance(msg, P.PrefillFailed):
-                    self.loop.call(lambda m=msg: self._settled(m.rid) or self.awaited.failed(m.rid, m.reason))
+                    self.loop.call(lambda m=msg: self._settled(m.rid)
+                                   or self.awaited.failed(m.rid, m.reason, time.monotonic()))
                 elif isinstance(msg, P.Pong):
                     peer.load = msg.load
                 else:
@@ -320,7 +321,10 @@ class DecodeServer:
         if self.awaited.quarantine:
             for pages in self.awaited.expire(now):
                 self.engine.drop(pages)
-        return bool(self.awaited)
+        # Busy (poll again within the ms) while a landing's notifications are due, or while only fences and
+        # quarantines are left (no engine work); a handoff still computing on its peer ends with a KVDone,
+        # whose arrival wakes the loop (EngineLoop.call), so it needs no polling.
+        return self.awaited.landing() or (bool(self.awaited) and not self.engine.has_work)
 
     def _peer_lost(self, peer: PrefillPeer) -> None:
         """Everything sent to it: target pages rest in quarantine (a write could still be on the wire);

@@ -147,6 +147,11 @@ class Awaited:
         if a is not None:
             a.done = msg
 
+    def landing(self) -> bool:
+        """Some KVDone is in and its writes' notifications are still coming: worth polling for now."""
+        return any(a.done is not None and a.over is None and a.notifs < a.done.num_xfers
+                   for a in self.entries.values())
+
     def landed(self, rid: str) -> bool:
         """KVDone and every write's notification are in, and nobody aborted it."""
         a = self.entries.get(rid)
@@ -174,10 +179,13 @@ class Awaited:
         and asks the peer to abort) until the peer says nothing is in flight, or is lost."""
         late = [a for a in self.entries.values() if a.over is None and not a.fenced and a.deadline and now >= a.deadline]
         for a in late:
-            a.over = "timeout"
-            a.reason = f"prefill {a.peer} did not deliver the KV within {a.deadline - a.sent_at:g} s"
+            a.over, a.reason = "timeout", self._late(a)
             self.cut[a.rid] = (a.peer, a.target)
         return late
+
+    @staticmethod
+    def _late(a: Awaiting) -> str:
+        return f"prefill {a.peer} did not deliver the KV within {a.deadline - a.sent_at:g} s"
 
     def settled(self, rid: str) -> list[int] | None:
         """The peer's word (Aborted or PrefillFailed) on a timed-out handoff: its cut pages, to free."""
@@ -190,11 +198,18 @@ class Awaited:
         if a is not None and a.over is None:
             a.over = "aborted"
 
-    def failed(self, rid: str, reason: str) -> None:
-        """The peer gave up on it (and has nothing in flight for it)."""
+    def failed(self, rid: str, reason: str, now: float = 0.0) -> None:
+        """The peer gave up on it (and has nothing in flight for it). Past the handoff's deadline it is this
+        side's timeout, whichever side noticed first (the peer posts nothing after it either)."""
         a = self.entries.get(rid)
-        if a is not None and a.over is None:
-            a.over, a.reason = ("aborted", "") if a.fenced else ("failed", reason)
+        if a is None or a.over is not None:
+            return
+        if a.fenced:
+            a.over, a.reason = "aborted", ""
+        elif a.deadline and now >= a.deadline:
+            a.over, a.reason = "timeout", self._late(a)
+        else:
+            a.over, a.reason = "failed", reason
 
     def peer_lost(self, peer: str, now: float, fence_s: float) -> list[Awaiting]:
         """Everything sent to it is over; its target pages rest in quarantine for fence_s (a write

@@ -24,11 +24,15 @@ import torch
 
 log = logging.getLogger("trnd.nixl")
 
-# NIXL's Python agent starts its progress thread with no delay between polls (pthrDelay = 0): one
+# NIXL's Python agent starts its UCX progress thread with no delay between polls (pthrDelay = 0): one
 # core spins for the life of every process with an agent (measured: 3.0 s of CPU per 3 s idle), which
-# on a small node starves the engine. 200 us between polls costs ~2% of a core idle and adds at most
-# that much to a transfer's completion.
-PROGRESS_DELAY_US = 200
+# on a small node starves the engine. The thread (nixlUcxSharedThread) sleeps in poll() on the UCX
+# workers' event fds, so completions and notifications wake it at once; pthrDelay, rounded up to whole
+# ms, is only its periodic wake-up (a workaround NIXL keeps for fds UCX may fail to signal). At 200 us
+# (a 1 ms poll) an idle role woke ~920 times a second, each wake-up preempting an OpenMP worker of the
+# engine beside it: the local pair's decode TPOT was 13.4-13.9 ms against the aggregated server's
+# 12.3-12.5; at 20 ms it was 12.0-12.5 (docs/RESULTS.md, "Sharing the cores").
+PROGRESS_DELAY_US = 20_000
 _make_lock = threading.Lock()
 
 
