@@ -233,3 +233,19 @@ def test_a_prefill_failure_fails_the_request_and_frees_its_pages():
     peer.awaited.failed(r.rid, "bad prompt")
     b = s.schedule()
     assert [str(e) for _, e in b.failed] == ["bad prompt"] and pool.num_free == 16
+
+
+def test_awaited_is_landing_only_while_a_done_handoffs_notifications_are_due():
+    """What the decode loop polls fast for: a KVDone in, its writes' notifications not all yet. A handoff
+    still computing on its peer is not polled for (the KVDone's arrival wakes the loop)."""
+    from types import SimpleNamespace
+
+    led = Awaited()
+    led.expect("a", "p", [4, 5], 0.0)
+    assert not led.landing()  # computing on the peer
+    led.kv_done("a", SimpleNamespace(num_xfers=2))
+    assert led.landing()
+    led.notified("a")
+    assert led.landing()
+    led.notified("a")
+    assert not led.landing() and led.landed("a")
