@@ -73,6 +73,8 @@ def _table_cases():
         cases.append((name, "architecture", [a if a != "M" else "MOE" for a in argv], 78, "Qwen3MoeForCausalLM"))
         cases.append((name, "point", [*argv, "--point", "9k"], 78, "'9k'"))
         cases.append((name, "backend", [*argv, "--backend", "neuron"], 69, "Neuron"))
+    for name in ("prefill", "decode"):
+        cases.append((name, "core lock", [*role[name], "--core-lock", "NOPE/cores.lock"], 78, "core_lock"))
     cases.append(("serve", "port --prefill-control-port", [*role["serve"], "--prefill-control-port", "P"], 1, "P"))
     cases.append(("serve", "port --prefill-admin-port", [*role["serve"], "--prefill-admin-port", "P"], 1, "P"))
     cases.append(("serve", "port --decode-port", [*role["serve"], "--decode", "2", "--decode-port", "P"], 1, "P"))

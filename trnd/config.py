@@ -121,6 +121,9 @@ def _check_common(cfg) -> None:
             raise msgspec.ValidationError(f"point = {point!r} is not a known decode point (known: "
                                           f"{', '.join(sorted(known))}) - at `$.point`")
     _check_static(cfg)
+    lock = getattr(cfg, "core_lock", None)
+    if lock is not None and not os.path.isdir(os.path.dirname(os.path.abspath(lock))):
+        raise msgspec.ValidationError(f"core_lock = {lock!r}: its directory does not exist - at `$.core_lock`")
     for field, allowed in choices.items():
         if field not in cfg.__struct_fields__:  # each role's config has its own subset
             continue

@@ -25,13 +25,18 @@ import threading
 import time
 from contextlib import contextmanager
 
+from trnd.config import StartupError
+
 log = logging.getLogger("trnd.engine")
 
 
 class CoreLock:
     def __init__(self, path: str, deadline_s: float = 2.0):
         self.path, self.deadline_s = path, deadline_s
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:  # a role that cannot share the cores as configured does not start
+            raise StartupError(f"core_lock = {path!r}: {e.strerror}") from None
         self.waited_s = 0.0  # time this role spent waiting for the others (metrics: core_lock_wait_seconds)
         self.overruns = 0  # waits that hit the deadline and computed without the lock
         self._mu = threading.Lock()
