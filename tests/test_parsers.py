@@ -136,6 +136,30 @@ def test_choice_text_streams_what_it_returns_whole():
         assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == "length"
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_streamed_and_whole():
+    """tool_choice auto leaves the reply free: with parallel_tool_calls false a second call is dropped, from the
+    stream and the message alike (a server without the flag returns both)."""
+    plan = ChatPlan(tool_parser="hermes", parallel=False)
+    both = ChoiceText(ChatPlan(tool_parser="hermes"))
+    both.push(QWEN_TWO_CALLS, final=True)
+    assert len(both.message().tool_calls) == 2
+    for chunks in _splits(QWEN_TWO_CALLS):
+        s = ChoiceText(plan)
+        indices, args = set(), ""
+        for k, piece in enumerate(chunks):
+            for d in s.push(piece, final=k == len(chunks) - 1):
+                for tc in d.tool_calls or []:
+                    indices.add(tc.index)
+                    args += tc.function.arguments
+        assert indices == {0}, chunks
+        first = both.message().tool_calls[0]
+        assert args == first.function.arguments
+        msg = s.message()
+        assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == \
+            [(first.function.name, first.function.arguments)]
+        assert s.finish_reason("stop") == "tool_calls"
+
+
 def test_tool_grammar_and_bounded_schema():
     tools = [{"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}]
     spec = tool_grammar(tools, "hermes", parallel=True)

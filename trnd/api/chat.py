@@ -81,6 +81,9 @@ class ChoiceText:
     def __init__(self, plan: ChatPlan):
         self.reasoning = ReasoningParser(plan.reasoning_parser) if plan.reasoning_parser else None
         self.tools = make_parser(plan.tool_parser) if plan.tool_parser else None
+        # parallel_tool_calls = false: at most one call. tool_choice required / named asks the grammar for
+        # one; with auto the reply is free text, so calls after the first are dropped here (their text too).
+        self.parallel = plan.parallel
         self.reasoning_text: list[str] = []
         self.content: list[str] = []
 
@@ -100,6 +103,8 @@ class ChoiceText:
                     d.calls += tail.calls
             if d is not None:
                 content, calls = d.content, d.calls
+                if not self.parallel:
+                    calls = [c for c in calls if c[0] == 0]
         self.reasoning_text.append(reasoning)
         self.content.append(content)
         out = []
@@ -129,6 +134,7 @@ class ChoiceText:
         reasoning = "".join(self.reasoning_text) or None
         calls = None
         if self.has_calls:
-            calls = [P.ToolCallOut(c.id, "function", P.FunctionOut(c.name, c.arguments)) for c in self.tools.calls]
+            kept = self.tools.calls if self.parallel else self.tools.calls[:1]
+            calls = [P.ToolCallOut(c.id, "function", P.FunctionOut(c.name, c.arguments)) for c in kept]
             content = content if content.strip() else None
         return P.ChatMessageOut("assistant", content, reasoning, reasoning, calls)
