@@ -386,6 +386,21 @@ def test_the_page_pool_check_runs_when_idle_and_shows_in_admin_state_and_top(ser
     assert t.status == "ready" and "page pool check ok" in render_plain([t])
 
 
+def test_a_session_given_as_the_routers_header_is_the_requests_session(server, client, model):
+    """x-session-id (what `trnd router` forwards, and what its clients may send) names the session when the body
+    has none; a body session_id still wins."""
+    for extra, want in (({}, "hdr-1"), ({"session_id": "body-1"}, "body-1")):
+        stream = client.completions.create(model=model, prompt="go on", max_tokens=400, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True, **extra},
+                                           extra_headers={"x-session-id": "hdr-1"})
+        it = iter(stream)
+        first = next(it)
+        running = server.state()["running"]
+        assert [(r["id"], r["session_id"]) for r in running] == [(first.id, want)]
+        assert httpx.post(f"{server.url}/admin/abort/{first.id}").status_code == 200
+        list(it)
+
+
 def test_admin_abort_stops_a_stream(server, client, model):
     stream = client.chat.completions.create(model=model, messages=chat("go on"), max_tokens=400, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True, "session_id": "sess-9"})

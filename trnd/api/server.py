@@ -115,10 +115,16 @@ async def chat_completions(request: Request) -> Response:
     params.grammar = chat_grammar(req, plan, prompt, st.loop.engine.grammars)
     # The template already wrote every special token (BOS included); encoding must not add another.
     ids = await _encode(st, prompt, add_special_tokens=False)
-    job = Job(st, "chat", ids, params, n, req.session_id or req.prompt_cache_key, bool(req.stream),
+    job = Job(st, "chat", ids, params, n, session_of(req, request), bool(req.stream),
               bool(req.stream_options and req.stream_options.include_usage), "messages", arrival,
               plan=plan, user=req.user or req.safety_identifier)
     return await job.respond(request)
+
+
+def session_of(req, request: Request) -> str | None:
+    """The body's session_id (or OpenAI's prompt_cache_key), else the x-session-id header the router forwards
+    (and that clients of the router may send instead of a body field)."""
+    return req.session_id or req.prompt_cache_key or request.headers.get("x-session-id") or None
 
 
 async def completions(request: Request) -> Response:
@@ -128,7 +134,7 @@ async def completions(request: Request) -> Response:
     prompt = check_completion_prompt(req.prompt)
     params.grammar = request_grammar(req, st.loop.engine.grammars)
     ids = await _encode(st, prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-    job = Job(st, "completion", ids, params, n, req.session_id or req.prompt_cache_key, bool(req.stream),
+    job = Job(st, "completion", ids, params, n, session_of(req, request), bool(req.stream),
               bool(req.stream_options and req.stream_options.include_usage), "prompt", arrival,
               user=req.user or req.safety_identifier)
     return await job.respond(request)
