@@ -107,3 +107,8 @@ def test_the_local_deployment_gives_its_roles_one_lock(tmp_path, share):
         assert locks["prefill0"] == locks["decode"] == str(tmp_path / "cores.lock")
     else:
         assert locks == {"prefill0": None, "decode": None}
+    # an operator's own lock file (shared with other roles on the node) is the deployment's lock either way
+    mine = str(tmp_path / "node.lock")
+    children = role_configs(ServeConfig(model="/nonexistent", share_cores=share, core_lock=mine), "/nonexistent",
+                            tmp_path)
+    assert {tomllib.loads(open(c.config).read()).get("core_lock") for c in children} == {mine}

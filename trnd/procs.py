@@ -58,6 +58,11 @@ def bound_address(sock: socket.socket) -> str:
     return f"{host}:{port}"
 
 
+def listening_on(servers) -> list[str]:
+    """host:port of every socket the servers (asyncio.Server, or uvicorn's) listen on."""
+    return [bound_address(s) for srv in servers for s in (srv.sockets or [])]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

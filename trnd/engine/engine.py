@@ -3,6 +3,7 @@ drive it from one loop thread, the offline LLM calls step() directly, so both ru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -91,7 +92,6 @@ class EngineStats:
     aborted: int = 0
     last_step_s: float = 0.0
     last_step_tokens: int = 0
-    core_lock_wait_s: float = 0.0  # waiting for another role's forward to leave the cores (engine/corelock.py)
     started: float = field(default_factory=time.time)
 
 
@@ -309,12 +309,8 @@ class Engine:
         inputs, sampled = prepare(batch, self.cfg.page_size)
         if self.workers:
             self.workers.step(inputs)
-        if self.core_lock is None:
+        with self.core_lock.held() if self.core_lock is not None else contextlib.nullcontext():
             logits = self.runner.forward(inputs)
-        else:
-            with self.core_lock.held():
-                logits = self.runner.forward(inputs)
-            self.stats.core_lock_wait_s = self.core_lock.waited_s
         if self.on_forward:
             self.on_forward(batch)
         outs = self.postprocess(batch, logits, sampled)

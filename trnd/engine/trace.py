@@ -26,7 +26,8 @@ def phase(req: Req, what: str) -> None:
         log.debug("request %s: %s (%.1f ms since arrival)", req.rid, what, (time.monotonic() - req.arrival) * 1e3)
 
 
-def _parts(d: dict[str, int]) -> str:
+def sources(d: dict[str, int]) -> str:
+    """{"device": 48, "remote": 0} as "device=48" (the log line's and `trnd top`'s form), "none" if empty."""
     return " ".join(f"{k}={v}" for k, v in d.items() if v) or "none"
 
 
@@ -39,7 +40,7 @@ def finished(req: Req, reason: str, error: BaseException | None = None) -> S.Tra
     if log.isEnabledFor(logging.INFO):
         log.info("request %s done: session=%s prompt=%d cached=%d [%s] loaded=%d [%s] ttft=%s out=%d "
                  "preemptions=%d finish=%s%s", req.rid, req.session_id or "-", req.num_prompt, t.cached_tokens,
-                 _parts(t.cached_from), sum(t.loaded_from.values()), _parts(t.loaded_from),
+                 sources(t.cached_from), sum(t.loaded_from.values()), sources(t.loaded_from),
                  f"{t.ttft_ms:.1f}ms" if t.ttft_ms is not None else "-", req.num_output, req.num_preemptions,
                  reason, f" error={error}" if error is not None else "")
     return t

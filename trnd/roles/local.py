@@ -81,7 +81,7 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
             "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb,
             "store": list(cfg.store), "store_on_finish": cfg.store_on_finish, "store_deadline_s": cfg.store_deadline_s,
             "static": cfg.static, "compile_cache": cfg.compile_cache,
-            "core_lock": str(workdir / "cores.lock") if cfg.share_cores else cfg.core_lock}
+            "core_lock": cfg.core_lock or (str(workdir / "cores.lock") if cfg.share_cores else None)}
     children, controls = [], []
     for i in range(cfg.num_prefill):
         control = cfg.prefill_control_port + i if cfg.prefill_control_port else free_port()

@@ -206,7 +206,6 @@ class StoreServer:
             if lease:
                 c.counters["bytes_out"] += len(entries) * self.slot_bytes
                 self.counters["bytes_out"] += len(entries) * self.slot_bytes
-            if lease:
                 self.xfer_metrics.start("serve_read", c.name, key=(lease, len(entries) * self.slot_bytes))
             await c.chan.send(S.Found(msg.id, [e.slot for e in entries], [e.checksum for e in entries], lease))
         elif isinstance(msg, S.Reserve):

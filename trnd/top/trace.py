@@ -20,6 +20,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Static
 
 from trnd import snapshot as S
+from trnd.engine.trace import sources
 
 _LOCAL = re.compile(r"^p\d+/")
 
@@ -48,10 +49,6 @@ async def fetch(client, rid: str) -> S.Traces | str | None:
         return "not a trnd answer"
 
 
-def _parts(d: dict[str, int]) -> str:
-    return " ".join(f"{k}={v}" for k, v in d.items() if v) or "none"
-
-
 def trace_lines(rid: str, answers: list[tuple[str, S.Traces | str | None]]) -> list[Content]:
     """The request's path: one summary line per node that has it (earliest first), then every node's
     phases merged on one time line, each at its offset from the request's first phase on any node."""
@@ -67,8 +64,8 @@ def trace_lines(rid: str, answers: list[tuple[str, S.Traces | str | None]]) -> l
             "[b $text-primary]$node[/] ($role, $id): [b]$state[/]  session $session  prompt $prompt  "
             "cached $cached ($src)  loaded $loaded ($lsrc)  ttft $ttft  out $out$fin",
             node=node, role=role, id=t.id, state=t.state, session=t.session_id or "-", prompt=str(t.prompt_tokens),
-            cached=str(t.cached_tokens), src=_parts(t.cached_from), loaded=str(sum(t.loaded_from.values())),
-            lsrc=_parts(t.loaded_from), ttft=ttft, out=str(t.generated_tokens),
+            cached=str(t.cached_tokens), src=sources(t.cached_from), loaded=str(sum(t.loaded_from.values())),
+            lsrc=sources(t.loaded_from), ttft=ttft, out=str(t.generated_tokens),
             fin=f"  finish {t.finish_reason}" if t.finish_reason else ""))
         if t.error:
             lines.append(Content.from_markup("  [$text-error]$e[/]", e=t.error))
