@@ -52,17 +52,6 @@ def bind_port(host: str, port: int, field: str = "port") -> socket.socket:
     return sock
 
 
-def bound_address(sock: socket.socket) -> str:
-    """host:port of a bound socket, as the roles report it to their supervisor (X_TRND_LISTEN)."""
-    host, port = sock.getsockname()[:2]
-    return f"{host}:{port}"
-
-
-def listening_on(servers) -> list[str]:
-    """host:port of every socket the servers (asyncio.Server, or uvicorn's) listen on."""
-    return [bound_address(s) for srv in servers for s in (srv.sockets or [])]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -358,6 +358,12 @@ class Traces(_S):
     traces: list[Trace] = []
 
 
+def sources(d: dict[str, int]) -> str:
+    """A Trace's cached_from / loaded_from as "device=48 remote=12" ("none" if empty): the request log line's
+    form (engine/trace.py) and `trnd top`'s (top/trace.py)."""
+    return " ".join(f"{k}={v}" for k, v in d.items() if v) or "none"
+
+
 def decode_traces(obj: bytes) -> Traces:
     return msgspec.json.decode(obj, type=Traces)
 

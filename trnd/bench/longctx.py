@@ -51,21 +51,23 @@ def long_model(max_context: int) -> Path:
 
 
 def _engine(model_dir: Path, point_name: str, dtype: str, threads: int | None):
-    """The engine a prefill role builds for the point (roles/common.py: build_engine, the same position
-    check and shapes), its pool sized for one full-length sequence and a little more."""
+    """The engine a prefill role builds for the point (roles/common.py: build_engine): page size, chunk and
+    batch from the point, a pool for one full-length sequence, after the same position check."""
     from trnd.backends import resolve_dtype
-    from trnd.config import PrefillConfig
-    from trnd.engine.runner import kv_page_bytes
+    from trnd.engine.engine import Engine, EngineConfig
     from trnd.model.config import ModelConfig
-    from trnd.points import get_point
-    from trnd.roles.common import build_engine
+    from trnd.points import check_positions, get_point
 
     point = get_point(point_name)
     mc = ModelConfig.from_dir(model_dir, resolve_dtype(dtype)[0])
-    pages = point.pool_pages_needed() + 64
-    gb = (pages + 0.5) * kv_page_bytes(mc, mc.num_kv_heads, point.page_size, "auto") / 2**30
-    cfg = PrefillConfig(model=str(model_dir), point=point_name, dtype=dtype, threads=threads, kv_memory_gb=gb)
-    return build_engine(model_dir, cfg, role="bench", secret=None)
+    why = check_positions(point, mc.max_position_embeddings, mc.rope_scaling)
+    if why is not None:
+        raise SystemExit(why)
+    engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, page_size=point.page_size,
+                                 num_pages=point.pool_pages_needed() + 64, max_model_len=point.max_context,
+                                 max_batch=point.max_batch, token_budget=point.prefill_chunk,
+                                 chunk_size=point.prefill_chunk, threads=threads, role="bench"))
+    return engine, point
 
 
 def run_curve(engine, lengths: list[int], decode_steps: int, max_seconds: float, seed: int = 0) -> tuple[list, str]:

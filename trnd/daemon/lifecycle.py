@@ -362,9 +362,8 @@ class Lifecycle:
 
 def listening(http, servers=()) -> list[str]:
     """host:port of every socket `http` (runtime.HTTPServer) and `servers` (asyncio.Server) listen on."""
-    from trnd.procs import listening_on
-
-    return listening_on([*getattr(http, "servers", []), *servers])
+    socks = [s for srv in [*getattr(http, "servers", []), *servers] for s in (srv.sockets or [])]
+    return [":".join(map(str, s.getsockname()[:2])) for s in socks]
 
 
 async def _serve_http(http) -> None:

@@ -26,11 +26,6 @@ def phase(req: Req, what: str) -> None:
         log.debug("request %s: %s (%.1f ms since arrival)", req.rid, what, (time.monotonic() - req.arrival) * 1e3)
 
 
-def sources(d: dict[str, int]) -> str:
-    """{"device": 48, "remote": 0} as "device=48" (the log line's and `trnd top`'s form), "none" if empty."""
-    return " ".join(f"{k}={v}" for k, v in d.items() if v) or "none"
-
-
 def finished(req: Req, reason: str, error: BaseException | None = None) -> S.Trace:
     """The one info line per request: id, session, prompt tokens, cached tokens by where they were found
     (this engine's radix cache, L2, L3: here or on the prefill peer, the peer's radix cache), loaded
@@ -40,7 +35,7 @@ def finished(req: Req, reason: str, error: BaseException | None = None) -> S.Tra
     if log.isEnabledFor(logging.INFO):
         log.info("request %s done: session=%s prompt=%d cached=%d [%s] loaded=%d [%s] ttft=%s out=%d "
                  "preemptions=%d finish=%s%s", req.rid, req.session_id or "-", req.num_prompt, t.cached_tokens,
-                 sources(t.cached_from), sum(t.loaded_from.values()), sources(t.loaded_from),
+                 S.sources(t.cached_from), sum(t.loaded_from.values()), S.sources(t.loaded_from),
                  f"{t.ttft_ms:.1f}ms" if t.ttft_ms is not None else "-", req.num_output, req.num_preemptions,
                  reason, f" error={error}" if error is not None else "")
     return t

@@ -26,9 +26,9 @@ class HTTPServer(uvicorn.Server):
 
     def listening(self) -> list[str]:
         """host:port of every socket it listens on (what the role reports to a supervisor)."""
-        from trnd.procs import listening_on
+        from trnd.daemon.lifecycle import listening
 
-        return listening_on(getattr(self, "servers", []))
+        return listening(self)
 
 
 def http_server(app, host: str, port: int, drain_timeout_s: float = 30.0, cfg=None, sock=None) -> HTTPServer:

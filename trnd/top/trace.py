@@ -20,7 +20,6 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Static
 
 from trnd import snapshot as S
-from trnd.engine.trace import sources
 
 _LOCAL = re.compile(r"^p\d+/")
 
@@ -64,8 +63,8 @@ def trace_lines(rid: str, answers: list[tuple[str, S.Traces | str | None]]) -> l
             "[b $text-primary]$node[/] ($role, $id): [b]$state[/]  session $session  prompt $prompt  "
             "cached $cached ($src)  loaded $loaded ($lsrc)  ttft $ttft  out $out$fin",
             node=node, role=role, id=t.id, state=t.state, session=t.session_id or "-", prompt=str(t.prompt_tokens),
-            cached=str(t.cached_tokens), src=sources(t.cached_from), loaded=str(sum(t.loaded_from.values())),
-            lsrc=sources(t.loaded_from), ttft=ttft, out=str(t.generated_tokens),
+            cached=str(t.cached_tokens), src=S.sources(t.cached_from), loaded=str(sum(t.loaded_from.values())),
+            lsrc=S.sources(t.loaded_from), ttft=ttft, out=str(t.generated_tokens),
             fin=f"  finish {t.finish_reason}" if t.finish_reason else ""))
         if t.error:
             lines.append(Content.from_markup("  [$text-error]$e[/]", e=t.error))
