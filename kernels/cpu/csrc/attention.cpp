@@ -31,6 +31,10 @@ namespace {
 
 constexpr int64_t MAX_D = 256;  // head_dim
 constexpr int64_t MAX_P = 256;  // page size
+// Pages ahead whose lines are prefetched, one line of K and one of V per V row step of the current page:
+// in a model step (the pool in DRAM, not cache) 2 ahead and spread measured ~5% faster than the whole next
+// page in one burst at its start, which filled the line-fill buffers and stalled the arithmetic.
+constexpr int64_t PREFETCH_PAGES = 2;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct Pool {  // the strides of a contiguous kv[page, layer, 2, Hk, P, D]
@@ -175,19 +179,32 @@ inline void softmax_step(Rows<GB>& r, int64_t D, int64_t n) {
 }
 
 // o[g] += sum_j p[g][j] V[j0 + j], accumulators held in registers across the page's rows.
+// nk: a later page's K block (nullptr: none; its V block is vo bytes on): its lines are prefetched one per
+// V row step, spread over the pass instead of in one burst.
 template <typename T, int GB>
-inline void accumulate(Rows<GB>& r, const T* V, int64_t D, int64_t j0, int64_t n) {
+inline void accumulate(Rows<GB>& r, const T* V, int64_t D, int64_t j0, int64_t n, const char* nk, int64_t vo,
+                       int64_t lines) {
+  int64_t l = 0;
   for (int64_t c = 0; c < D; c += W) {
     vf a[GB];
 #pragma GCC unroll 8
     for (int g = 0; g < GB; ++g) a[g] = vload(r.o + g * D + c);
     for (int64_t j = 0; j < n; ++j) {
+      if (nk != nullptr && l < lines) {
+        _mm_prefetch(nk + l * 64, _MM_HINT_T0);
+        _mm_prefetch(nk + vo + l * 64, _MM_HINT_T0);
+        ++l;
+      }
       vf v = vload(V + (j0 + j) * D + c);
 #pragma GCC unroll 8
       for (int g = 0; g < GB; ++g) a[g] = vfma(vset(r.s[g * MAX_P + j]), v, a[g]);
     }
 #pragma GCC unroll 8
     for (int g = 0; g < GB; ++g) vstore(r.o + g * D + c, a[g]);
+  }
+  for (; nk != nullptr && l < lines; ++l) {
+    _mm_prefetch(nk + l * 64, _MM_HINT_T0);
+    _mm_prefetch(nk + vo + l * 64, _MM_HINT_T0);
   }
 }
 
@@ -228,20 +245,26 @@ void run_rows(const Args& a, const Item& it, int64_t g0, int64_t gn, Emit&& emit
   }
   const T* kv = static_cast<const T*>(a.kv);
   const int64_t* table = a.pages + it.b * a.pages_s0;
+  const int64_t bytes = P * D * static_cast<int64_t>(sizeof(T));
+  for (int64_t pi = it.t0 / P + 1; pi < it.t0 / P + PREFETCH_PAGES && pi * P < it.t1; ++pi) {
+    // the pages before the first one prefetched in a pass: all at once, now
+    const char* nk = reinterpret_cast<const char*>(kv + table[pi * a.pages_s1] * p.page_stride +
+                                                   a.layer * p.layer_stride + it.h * P * D);
+    for (int64_t off = 0; off < bytes; off += 64) {
+      _mm_prefetch(nk + off, _MM_HINT_T0);
+      _mm_prefetch(nk + p.hk * bytes + off, _MM_HINT_T0);
+    }
+  }
   for (int64_t pi = it.t0 / P; pi * P < it.t1; ++pi) {
     const int64_t page = table[pi * a.pages_s1];
     const T* K = kv + page * p.page_stride + a.layer * p.layer_stride + it.h * P * D;
     const T* V = K + p.hk * P * D;
     const int64_t j0 = std::max<int64_t>(it.t0 - pi * P, 0), j1 = std::min<int64_t>(it.t1 - pi * P, P);
-    if ((pi + 1) * P < it.t1) {  // the next page is anywhere in the pool: start loading it now
-      const char* nk = reinterpret_cast<const char*>(kv + table[(pi + 1) * a.pages_s1] * p.page_stride +
-                                                     a.layer * p.layer_stride + it.h * P * D);
-      const int64_t bytes = P * D * static_cast<int64_t>(sizeof(T));
-      for (int64_t off = 0; off < bytes; off += 64) {
-        _mm_prefetch(nk + off, _MM_HINT_T0);
-        _mm_prefetch(nk + p.hk * bytes + off, _MM_HINT_T0);
-      }
-    }
+    // A page two ahead is anywhere in the pool: its K and V lines start loading during this page's pass.
+    const char* nk = nullptr;
+    if ((pi + PREFETCH_PAGES) * P < it.t1)
+      nk = reinterpret_cast<const char*>(kv + table[(pi + PREFETCH_PAGES) * a.pages_s1] * p.page_stride +
+                                         a.layer * p.layer_stride + it.h * P * D);
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, bf16>) {
       if (a.dpbf16 && D % 32 == 0) scores_dpbf16<GB>(r, K, D, P, j0, j1, a.scale);
@@ -253,7 +276,7 @@ void run_rows(const Args& a, const Item& it, int64_t g0, int64_t gn, Emit&& emit
     scores<T, GB>(r, K, D, P, j0, j1, kf);
 #endif
     softmax_step<GB>(r, D, j1 - j0);
-    accumulate<T, GB>(r, V, D, j0, j1 - j0);
+    accumulate<T, GB>(r, V, D, j0, j1 - j0, nk, p.hk * bytes, bytes / 64);
   }
   for (int64_t g = 0; g < gn; ++g) emit(g0 + g, r.o + g * D, r.m[g], r.l[g]);
 }
