@@ -18,6 +18,7 @@ class Ops:
     add_rms_norm: Callable
     apply_rotary: Callable
     silu_and_mul: Callable
+    qk_norm_rotary: Callable  # Qwen3's per-head q/k RMSNorm, then rotary
     write_kv: Callable
     decode_attention: Callable
     prefill_attention: Callable
@@ -28,6 +29,7 @@ TORCH_OPS = Ops(
     add_rms_norm=norm.add_rms_norm,
     apply_rotary=rotary.apply_rotary,
     silu_and_mul=activation.silu_and_mul,
+    qk_norm_rotary=rotary.qk_norm_rotary,
     write_kv=attention.write_kv,
     decode_attention=attention.decode_attention,
     prefill_attention=attention.prefill_attention,

@@ -1,5 +1,5 @@
 """The compiled elementwise kernels (kernels/cpu/csrc/elementwise.cpp: RMSNorm, residual-add + RMSNorm, rotary,
-SiLU-and-mul) against their torch references, for each ISA build the host can run. bf16 results must be
+SiLU-and-mul, q/k RMSNorm + rotary) against their torch references, for each ISA build the host can run. bf16 results must be
 bit-identical where no sum is involved (rotary: the kernels round where the references' ops round); RMSNorm
 within the summation order's ulp."""
 
@@ -77,6 +77,30 @@ def test_rotary_on_the_qkv_views(ops, rows, head_dim, hq, hk, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("head_dim,hq,hk", [(64, 12, 4), (128, 8, 1), (32, 4, 4)])
+def test_qk_norm_rotary_is_norm_then_rotary(ops, rows, head_dim, hq, hk, dtype):
+    """Qwen3's q/k path fused: bit for bit the compiled RMSNorm then rotary (the same arithmetic, one pass),
+    and within RMSNorm's summation ulp of the torch reference; on the qkv projection's views."""
+    qkv = rnd(rows, (hq + 2 * hk) * head_dim, dtype=dtype, scale=3)
+    q, k, _ = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    q, k = q.view(rows, hq, head_dim), k.view(rows, hk, head_dim)
+    qw, kw = rnd(head_dim, dtype=dtype, seed=6).abs() + 0.5, rnd(head_dim, dtype=dtype, seed=7).abs() + 0.5
+    cos, sin = rnd(rows, head_dim, dtype=dtype, seed=4), rnd(rows, head_dim, dtype=dtype, seed=5)
+    assert ops.qk_norm_rotary is not TORCH_OPS.qk_norm_rotary
+    got_q, got_k = ops.qk_norm_rotary(q, k, qw, kw, 1e-6, cos, sin)
+    two_q, two_k = ops.apply_rotary(ops.rms_norm(q, qw, 1e-6), ops.rms_norm(k, kw, 1e-6), cos, sin)
+    assert torch.equal(got_q, two_q) and torch.equal(got_k, two_k)
+    want_q, want_k = TORCH_OPS.qk_norm_rotary(q, k, qw, kw, 1e-6, cos, sin)
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        if dtype == torch.bfloat16:  # a norm's ulp flip goes through rotary's products and sum
+            assert (got != want).float().mean() < 0.05
+            torch.testing.assert_close(got, want, atol=4 * 2 ** -8, rtol=4 * 2 ** -8)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
 def test_silu_and_mul(ops, rows, dtype):
     gate_up = rnd(rows, 2 * 2048, dtype=dtype, scale=4)  # +-12: exp's range, both tails of the sigmoid
     got, want = ops.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up)
@@ -97,6 +121,11 @@ def test_what_the_kernels_do_not_take_falls_back(ops):
     assert torch.equal(ops.rms_norm(x32, wb, 1e-6), TORCH_OPS.rms_norm(x32, wb, 1e-6))
     gu = rnd(2, 48, dtype=torch.float32)
     assert torch.equal(ops.silu_and_mul(gu), TORCH_OPS.silu_and_mul(gu))
+    q, k, w = rnd(2, 4, 48, dtype=torch.float32), rnd(2, 2, 48, dtype=torch.float32), rnd(48, dtype=torch.float32)
+    cos, sin = rnd(2, 48, dtype=torch.float32, seed=1), rnd(2, 48, dtype=torch.float32, seed=2)
+    for got, want in zip(ops.qk_norm_rotary(q, k, w, w, 1e-6, cos, sin),
+                         TORCH_OPS.qk_norm_rotary(q, k, w, w, 1e-6, cos, sin)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # head_dim 48: off the lanes, the twins
 
 
 def test_bad_shapes_raise_and_name_the_argument(ops):
@@ -109,3 +138,7 @@ def test_bad_shapes_raise_and_name_the_argument(ops):
     with pytest.raises(RuntimeError, match="cos, sin"):
         q = rnd(2, 4, 64, dtype=torch.float32)
         lib.apply_rotary(q, q, rnd(3, 64, dtype=torch.float32), rnd(3, 64, dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="q/k norm weight"):
+        q = rnd(2, 4, 64, dtype=torch.float32)
+        lib.qk_norm_rotary(q, q, rnd(32, dtype=torch.float32), rnd(64, dtype=torch.float32), 1e-6,
+                           rnd(2, 64, dtype=torch.float32), rnd(2, 64, dtype=torch.float32))

@@ -71,6 +71,8 @@ def _register_fakes(name: str) -> None:
     torch.library.register_fake(f"{name}::apply_rotary")(lambda q, k, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
     torch.library.register_fake(f"{name}::silu_and_mul")(
         lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)))
+    torch.library.register_fake(f"{name}::qk_norm_rotary")(
+        lambda q, k, qw, kw, eps, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
 
 
 class CompiledOps:
@@ -105,6 +107,12 @@ class CompiledOps:
                 and k.dtype == cos.dtype == sin.dtype == q.dtype):
             return rotary.apply_rotary(q, k, cos, sin)
         return self.lib.apply_rotary(q, k, cos, sin)
+
+    def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, cos, sin):
+        if not (q.dim() == 3 and self.rows(q, q.shape[-1] // 2) and k.stride(-1) == 1 and q.shape[-1] <= 512
+                and k.dtype == cos.dtype == sin.dtype == q_weight.dtype == k_weight.dtype == q.dtype):
+            return rotary.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, self.rms_norm, self.apply_rotary)
+        return self.lib.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin)
 
     def silu_and_mul(self, gate_up):
         if not (gate_up.dim() == 2 and self.rows(gate_up, gate_up.shape[-1] // 2)):
@@ -141,7 +149,7 @@ def compiled(name: str, dpbf16: bool = False) -> Ops:
         raise RuntimeError(why)
     c = CompiledOps(lib, dpbf16)
     return replace(TORCH_OPS, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, apply_rotary=c.apply_rotary,
-                   silu_and_mul=c.silu_and_mul, write_kv=c.write_kv, decode_attention=c.decode_attention,
+                   silu_and_mul=c.silu_and_mul, qk_norm_rotary=c.qk_norm_rotary, write_kv=c.write_kv, decode_attention=c.decode_attention,
                    prefill_attention=c.prefill_attention)
 
 

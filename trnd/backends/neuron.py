@@ -72,6 +72,13 @@ class NeuronBackend(Backend):
         for shapes outside the kernel's supports()."""
         from kernels.nki import decode_attention, prefill_attention, rmsnorm, rotary
 
+        from kernels import rotary as torch_rotary
+
+        def qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin):  # no fused NKI kernel: the two NKI ones
+            return torch_rotary.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, rmsnorm.rms_norm,
+                                               rotary.apply_rotary)
+
         return replace(TORCH_OPS, rms_norm=rmsnorm.rms_norm, add_rms_norm=rmsnorm.add_rms_norm,
-                       apply_rotary=rotary.apply_rotary, decode_attention=decode_attention.decode_attention,
+                       apply_rotary=rotary.apply_rotary, qk_norm_rotary=qk_norm_rotary,
+                       decode_attention=decode_attention.decode_attention,
                        prefill_attention=prefill_attention.prefill_attention)

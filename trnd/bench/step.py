@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     if compiled is TORCH_OPS:
         raise SystemExit("the compiled CPU kernels are not in use here (see the log line above): nothing to compare")
     attention_only = replace(compiled, rms_norm=TORCH_OPS.rms_norm, add_rms_norm=TORCH_OPS.add_rms_norm,
-                             apply_rotary=TORCH_OPS.apply_rotary, silu_and_mul=TORCH_OPS.silu_and_mul)
+                             apply_rotary=TORCH_OPS.apply_rotary, silu_and_mul=TORCH_OPS.silu_and_mul,
+                             qk_norm_rotary=TORCH_OPS.qk_norm_rotary)
     variants = (("torch", TORCH_OPS), ("attention", attention_only), ("compiled", compiled))
     print(f"CPU: {cpu_info().summary()}; torch threads {torch.get_num_threads()}")
     print("| dtype | batch | ctx | torch ops ms | compiled attention ms | all compiled ms | torch / all | "

@@ -48,8 +48,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split([nq * hd, nk * hd, nk * hd], dim=-1)
         q, k, v = q.view(t, nq, hd), k.view(t, nk, hd), v.view(t, nk, hd)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.apply_rotary(q, k, cos, sin)
+            q, k = self.ops.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        else:
+            q, k = self.ops.apply_rotary(q, k, cos, sin)
         self.ops.write_kv(kv, self.layer, k, v, meta)
         nd = meta.num_decode
         if meta.chunk_pages is not None:  # static path: one padded chunk (see chunk_attention)

@@ -1,5 +1,5 @@
 // The model's small elementwise ops, each one pass over its rows: RMSNorm, residual-add + RMSNorm, rotary,
-// SiLU-and-mul. Torch references: kernels/norm.py, kernels/rotary.py, kernels/activation.py (the oracles).
+// SiLU-and-mul, and Qwen3's q/k RMSNorm + rotary in one. Torch references: kernels/norm.py, kernels/rotary.py, kernels/activation.py (the oracles).
 //
 // Why: at decode batch sizes these tensors are a few KB, so the torch references cost their dispatch, not
 // their arithmetic: RMSNorm is eight ops (cast, pow, mean, add, rsqrt, mul, cast, mul), rotary eleven, and a
@@ -21,6 +21,7 @@ namespace trnd {
 namespace {
 
 constexpr int64_t MAX_ROW = 16384;  // the widest row (hidden size) the kernels take; wider falls back
+constexpr int64_t MAX_HEAD = 512;  // the widest head row qk_norm_rotary takes
 
 template <typename T>
 inline vf rnd(vf x) {  // the rounding a torch op on T applies to its fp32 result
@@ -169,6 +170,59 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::T
   return {qo, ko};
 }
 
+// Qwen3's q/k path in one pass per head row: RMSNorm with the head's weight, then rotary, the row kept in L1
+// between them. The same arithmetic and rounding as rms_norm then apply_rotary (norm_row, rotate_row), so
+// the result is theirs bit for bit; at decode it is one op instead of three, and in a prefill chunk q and k
+// are read once from the qkv projection and written once.
+template <typename T>
+void norm_rotary_impl(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor& out) {
+  const int64_t Tn = x.size(0), H = x.size(1), D = x.size(2), x0 = x.stride(0), x1 = x.stride(1);
+  const T* xs = x.data_ptr<T>();
+  const T* ws = w.data_ptr<T>();
+  const T* cs = cos.data_ptr<T>();
+  const T* ss = sin.data_ptr<T>();
+  T* os = out.data_ptr<T>();
+  const float e = static_cast<float>(eps);
+#pragma omp parallel for if (Tn * H * D >= PARALLEL_MIN)
+  for (int64_t t = 0; t < Tn; ++t) {
+    alignas(64) float h[MAX_HEAD];
+    alignas(64) T n[MAX_HEAD];
+    for (int64_t hd = 0; hd < H; ++hd) {
+      const T* xr = xs + t * x0 + hd * x1;
+      for (int64_t c = 0; c < D; c += W) vstore(h + c, vload(xr + c));
+      norm_row<T>(h, ws, n, D, e);
+      rotate_row<T>(n, cs + t * D, ss + t * D, os + (t * H + hd) * D, D / 2);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> qk_norm_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qw,
+                                                  const at::Tensor& kw, double eps, const at::Tensor& cos_,
+                                                  const at::Tensor& sin_) {
+  check_head_rows(q, "q");
+  check_head_rows(k, "k");
+  TORCH_CHECK(q.size(2) <= MAX_HEAD, "q: head_dim ", q.size(2), " > ", MAX_HEAD);
+  const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type(),
+              "k: want [", q.size(0), ", heads, ", q.size(2), "] of ", q.scalar_type());
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(2) && t->scalar_type() == q.scalar_type(),
+                "cos, sin: want [", q.size(0), ", ", q.size(2), "] of ", q.scalar_type(), ", got ", t->sizes());
+  for (const at::Tensor* t : {&qw, &kw})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == q.size(2) && t->is_contiguous() && t->scalar_type() == q.scalar_type(),
+                "q/k norm weight: want contiguous [", q.size(2), "] of ", q.scalar_type());
+  at::Tensor qo = at::empty(q.sizes(), q.options()), ko = at::empty(k.sizes(), k.options());
+  if (q.scalar_type() == at::kFloat) {
+    norm_rotary_impl<float>(q, qw, eps, cos, sin, qo);
+    norm_rotary_impl<float>(k, kw, eps, cos, sin, ko);
+  } else {
+    norm_rotary_impl<bf16>(q, qw, eps, cos, sin, qo);
+    norm_rotary_impl<bf16>(k, kw, eps, cos, sin, ko);
+  }
+  return {qo, ko};
+}
+
 // out = round(silu(gate)) * up, gate|up the two halves of each row; silu(g) = g / (1 + exp(-g)).
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
@@ -208,6 +262,8 @@ TRND_FRAGMENT(TRND_LIB, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("apply_rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("qk_norm_rotary(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin) -> "
+        "(Tensor, Tensor)");
 }
 
 TRND_FRAGMENT_IMPL(TRND_LIB, CPU, m) {
@@ -215,4 +271,5 @@ TRND_FRAGMENT_IMPL(TRND_LIB, CPU, m) {
   m.impl("add_rms_norm", &trnd::add_rms_norm);
   m.impl("apply_rotary", &trnd::apply_rotary);
   m.impl("silu_and_mul", &trnd::silu_and_mul);
+  m.impl("qk_norm_rotary", &trnd::qk_norm_rotary);
 }
