@@ -16,6 +16,7 @@ from kernels import TORCH_OPS, attention
 from kernels import cpu as kcpu
 from kernels.attention import AttnMeta, PrefillSeq
 from kernels.cpuinfo import cpu_info
+from trnd.check import make_prefill_case
 
 HOST = cpu_info()
 HOST_LEVEL = ("default", "avx2", "avx512", "avx512_bf16").index(HOST.isa)
@@ -158,6 +159,43 @@ def test_short_prefill_chunk_matches_reference(build, prior, q_len, dtype):
     want = attention.prefill_attention(q.float(), k_new.float(), v_new.float(), kv.float(), 1, seq, p, 0.125)
     got = ops.prefill_attention(q, k_new, v_new, kv, 1, seq, p, 0.125)
     torch.testing.assert_close(got.float(), want, **tol(dtype))
+
+
+AMX = pytest.mark.skipif("amx_bf16" not in HOST.flags or HOST_LEVEL < 3,
+                         reason=f"no AMX tiles here ({HOST.summary()}): the chunk goes to torch's flash kernel")
+
+
+@AMX
+@pytest.mark.parametrize("prior,q_len,group,page,d", [
+    (0, 9, 3, 16, 64), (0, 37, 1, 16, 128), (0, 300, 4, 16, 64), (37, 64, 3, 16, 64), (100, 200, 2, 64, 128),
+    (250, 130, 8, 128, 64), (1000, 17, 2, 16, 64), (5, 512, 3, 16, 32)])
+def test_prefill_attention_on_amx_matches_reference(prior, q_len, group, page, d):
+    """Chunks longer than PREFILL_MAX_Q on the AMX kernel (csrc/prefill_amx.cpp): with and without a cached
+    prefix, contexts ending mid-page and mid-step, GQA 1-8, pages 16-128, head_dim 32-128."""
+    hk = 2
+    q, k_new, v_new, kv, seq = make_prefill_case(prior, q_len, hk * group, hk, d, page, dtype=torch.bfloat16,
+                                                 seed=prior + q_len)
+    ops = kcpu.compiled("trnd_avx512", True, amx=True)
+    assert q_len > kcpu.PREFILL_MAX_Q
+    got = ops.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5)
+    lib = ops.prefill_attention.__self__.lib
+    assert torch.equal(got, lib.prefill_attention_amx(q, kv, 1, seq.pages, prior, d ** -0.5))  # it took the kernel
+    want = attention.prefill_attention(q.float(), k_new.float(), v_new.float(), kv.float(), 1, seq, page, d ** -0.5)
+    torch.testing.assert_close(got.float(), want, **tol(torch.bfloat16))
+    flash = attention.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5)  # torch's, in bf16
+    assert (got.float() - want).abs().max() <= 2 * (flash.float() - want).abs().max() + 2 ** -8
+
+
+@AMX
+def test_prefill_attention_on_amx_refuses_bad_inputs():
+    lib = kcpu.load_library("trnd_avx512")[0]
+    q, _, _, kv, seq = make_prefill_case(10, 20, 4, 2, 64, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="pages"):
+        lib.prefill_attention_amx(q, kv, 1, seq.pages[:1], 10, 0.125)
+    with pytest.raises(RuntimeError, match="layer 5"):
+        lib.prefill_attention_amx(q, kv, 5, seq.pages, 10, 0.125)
+    with pytest.raises(RuntimeError, match="kv: want a contiguous bf16 pool"):
+        lib.prefill_attention_amx(q.float(), kv.float(), 1, seq.pages, 10, 0.125)
 
 
 def test_bad_inputs_raise_and_name_the_value(build):

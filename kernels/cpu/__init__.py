@@ -25,8 +25,12 @@ ENV = "TRND_CPU_KERNELS"  # "0" turns the compiled kernels off (to measure or bi
 MAX_HEAD_DIM = MAX_PAGE = 256  # csrc/attention.cpp's MAX_D, MAX_P
 MAX_ROW = 16384  # csrc/elementwise.cpp's MAX_ROW
 # Chunks up to this many query tokens go through the decode kernel (one row per query token); longer ones
-# to torch's flash kernel, which tiles the queries (measured in docs/RESULTS.md).
+# to the AMX kernel where the CPU has AMX, else to torch's flash kernel, which tiles the queries (measured in
+# docs/RESULTS.md).
 PREFILL_MAX_Q = 8
+# The AMX prefill kernel copies the context's K and V into its tiles' order first (csrc/prefill_amx.cpp):
+# longer contexts than this much of that copy go to torch's flash kernel.
+AMX_MAX_LAYOUT_BYTES = 64 * 2**20
 
 
 def variant_for(info: CpuInfo) -> str | None:
@@ -71,6 +75,8 @@ def _register_fakes(name: str) -> None:
     torch.library.register_fake(f"{name}::apply_rotary")(lambda q, k, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
     torch.library.register_fake(f"{name}::silu_and_mul")(
         lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)))
+    torch.library.register_fake(f"{name}::prefill_attention_amx")(
+        lambda q, kv, layer, pages, prior, scale: q.new_empty(q.shape))
     torch.library.register_fake(f"{name}::qk_norm_rotary")(
         lambda q, k, qw, kw, eps, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
 
@@ -78,13 +84,18 @@ def _register_fakes(name: str) -> None:
 class CompiledOps:
     """The Ops entries over one build's torch ops; the torch twin where the kernel does not apply."""
 
-    def __init__(self, lib, dpbf16: bool):
-        self.lib, self.dpbf16 = lib, dpbf16
+    def __init__(self, lib, dpbf16: bool, amx: bool = False):
+        self.lib, self.dpbf16, self.amx = lib, dpbf16, amx
 
     @staticmethod
     def takes(q: torch.Tensor, kv: torch.Tensor) -> bool:
         return (q.device.type == "cpu" and q.dtype == kv.dtype and kv.dtype in (torch.float32, torch.bfloat16)
                 and kv.shape[5] % 16 == 0 and kv.shape[5] <= MAX_HEAD_DIM and kv.shape[4] <= MAX_PAGE)
+
+    def takes_amx(self, q: torch.Tensor, kv: torch.Tensor, seq) -> bool:
+        d = kv.shape[5]
+        return (self.amx and self.takes(q, kv) and kv.dtype == torch.bfloat16 and d % 32 == 0
+                and 4 * seq.ctx_len * kv.shape[3] * d <= AMX_MAX_LAYOUT_BYTES)
 
     @staticmethod
     def rows(x: torch.Tensor, width: int) -> bool:
@@ -133,6 +144,8 @@ class CompiledOps:
     def prefill_attention(self, q, k_new, v_new, kv, layer, seq, page_size, scale):
         """A short chunk (its K/V already in the pages: the model writes before it attends) as decode rows:
         query i of the chunk attends the sequence's pages up to its own position."""
+        if seq.q_len > PREFILL_MAX_Q and self.takes_amx(q, kv, seq):
+            return self.lib.prefill_attention_amx(q, kv, layer, seq.pages, seq.ctx_len - seq.q_len, scale)
         if seq.q_len > PREFILL_MAX_Q or not self.takes(q, kv):
             return attention.prefill_attention(q, k_new, v_new, kv, layer, seq, page_size, scale)
         prior = seq.ctx_len - seq.q_len
@@ -142,12 +155,15 @@ class CompiledOps:
                                          self.dpbf16 and kv.dtype == torch.bfloat16)
 
 
-def compiled(name: str, dpbf16: bool = False) -> Ops:
-    """The Ops table with one build's kernels in (raises if it is not loadable): tests load each build."""
+def compiled(name: str, dpbf16: bool = False, amx: bool = False) -> Ops:
+    """The Ops table with one build's kernels in (raises if it is not loadable): tests load each build.
+    amx: prefill attention on AMX tiles (the AVX-512 build, where the CPU has amx_bf16)."""
     lib, why = load_library(name)
     if lib is None:
         raise RuntimeError(why)
-    c = CompiledOps(lib, dpbf16)
+    if amx and not lib.amx_ready():
+        raise RuntimeError(f"{name}: no AMX tile state granted here")
+    c = CompiledOps(lib, dpbf16, amx)
     return replace(TORCH_OPS, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, apply_rotary=c.apply_rotary,
                    silu_and_mul=c.silu_and_mul, qk_norm_rotary=c.qk_norm_rotary, write_kv=c.write_kv, decode_attention=c.decode_attention,
                    prefill_attention=c.prefill_attention)
@@ -169,5 +185,7 @@ def cpu_ops() -> Ops:
         log.info("cpu kernels: not used (%s); the torch ops run", why)
         return TORCH_OPS
     dpbf16 = info.isa == "avx512_bf16"
-    log.info("cpu kernels: %s%s on %s", name, " with dpbf16" if dpbf16 else "", info.summary())
-    return compiled(name, dpbf16)
+    amx = "amx_bf16" in info.flags and name == "trnd_avx512" and lib.amx_ready()
+    log.info("cpu kernels: %s%s%s on %s", name, " with dpbf16" if dpbf16 else "", " and AMX prefill" if amx else "",
+             info.summary())
+    return compiled(name, dpbf16, amx)

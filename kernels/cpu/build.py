@@ -48,7 +48,7 @@ def build(name: str, verbose: bool = False) -> Path:
     out = BUILD / name
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name=name, sources=[str(SRC / "attention.cpp"), str(SRC / "elementwise.cpp")], extra_include_paths=[str(SRC)],
+        name=name, sources=[str(SRC / f) for f in ("attention.cpp", "elementwise.cpp", "prefill_amx.cpp")], extra_include_paths=[str(SRC)],
         extra_cflags=COMMON + VARIANTS[name] + [f"-DTRND_LIB={name}"], extra_ldflags=["-fopenmp"],
         build_directory=str(out), is_python_module=False, verbose=verbose)
     stamp_path(name).write_text(torch.__version__)
