@@ -93,9 +93,12 @@ class CompiledOps:
                 and kv.shape[5] % 16 == 0 and kv.shape[5] <= MAX_HEAD_DIM and kv.shape[4] <= MAX_PAGE)
 
     def takes_amx(self, q: torch.Tensor, kv: torch.Tensor, seq) -> bool:
+        """The AMX prefill kernel takes it: a bf16 pool (not fp8: its pages are another shape), head_dim a multiple
+        of 32, pages of whole 16-key tiles, a context whose V fits the kernel's copy."""
+        if not (self.amx and kv.dtype == torch.bfloat16 and self.takes(q, kv)):
+            return False
         d = kv.shape[5]
-        return (self.amx and self.takes(q, kv) and kv.dtype == torch.bfloat16 and d % 32 == 0
-                and 4 * seq.ctx_len * kv.shape[3] * d <= AMX_MAX_LAYOUT_BYTES)
+        return d % 32 == 0 and kv.shape[4] % 16 == 0 and 4 * seq.ctx_len * kv.shape[3] * d <= AMX_MAX_LAYOUT_BYTES
 
     @staticmethod
     def rows(x: torch.Tensor, width: int) -> bool:

@@ -60,7 +60,9 @@ def main(argv=None) -> None:
         builds.append(("avx512", "trnd_avx512", False))
     if info.isa == "avx512_bf16":
         builds.append(("avx512+dpbf16", "trnd_avx512", True))
-    builds = [(label, compiled(name, dp)) for label, name, dp in builds if load_library(name)[0] is not None]
+    loaded = {name: load_library(name)[0] for _, name, _ in builds}
+    amx = "amx_bf16" in info.flags and loaded.get("trnd_avx512") is not None and loaded["trnd_avx512"].amx_ready()
+    builds = [(label, compiled(name, dp, amx=amx and dp)) for label, name, dp in builds if loaded[name] is not None]
     hq, hk, d, p = a.heads, a.kv_heads, a.head_dim, a.page
     scale = d ** -0.5
     head = "| op | dtype | batch | ctx | torch ms | " + " | ".join(f"{lb} ms" for lb, _ in builds) + " | best x |"
@@ -94,6 +96,11 @@ def main(argv=None) -> None:
                     o.dpbf16 and dt == torch.bfloat16), a.iters) for _, o in _raw(builds)]
                 print(f"| prefill (rows) | {dname} | {n} q | {ctx} prefix | {ref:.3f} | "
                       + " | ".join(f"{g:.3f}" for g in got) + f" | {ref / min(got):.1f} |")
+                amx = [o for _, o in _raw(builds) if o.amx]
+                if amx and dt == torch.bfloat16:  # the chunk on AMX tiles: one column, the kernel has one build
+                    t = _time(lambda: amx[0].lib.prefill_attention_amx(q, kv, 1, seq.pages, ctx, scale), a.iters)
+                    print(f"| prefill (AMX tiles) | {dname} | {n} q | {ctx} prefix | {ref:.3f} | {t:.3f} | "
+                          f"{ref / t:.1f} |")
 
 
 def _raw(builds):
