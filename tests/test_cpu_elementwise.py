@@ -1,6 +1,6 @@
 """The compiled elementwise kernels (kernels/cpu/csrc/elementwise.cpp: RMSNorm, residual-add + RMSNorm, rotary,
-SiLU-and-mul, q/k RMSNorm + rotary) against their torch references, for each ISA build the host can run. bf16 results must be
-bit-identical where no sum is involved (rotary: the kernels round where the references' ops round); RMSNorm
+SiLU-and-mul, q/k RMSNorm + rotary) against their torch references, for each ISA build the host can run. bf16
+results must be bit-identical where no sum is involved (rotary: the kernels round where the references' ops round); RMSNorm
 within the summation order's ulp."""
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ def compiled(name: str, dpbf16: bool = False, amx: bool = False) -> Ops:
         raise RuntimeError(f"{name}: no AMX tile state granted here")
     c = CompiledOps(lib, dpbf16, amx)
     return replace(TORCH_OPS, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, apply_rotary=c.apply_rotary,
-                   silu_and_mul=c.silu_and_mul, qk_norm_rotary=c.qk_norm_rotary, write_kv=c.write_kv, decode_attention=c.decode_attention,
+                   silu_and_mul=c.silu_and_mul, qk_norm_rotary=c.qk_norm_rotary, write_kv=c.write_kv,
+                   decode_attention=c.decode_attention,
                    prefill_attention=c.prefill_attention)
 
 

@@ -1,5 +1,6 @@
 // The model's small elementwise ops, each one pass over its rows: RMSNorm, residual-add + RMSNorm, rotary,
-// SiLU-and-mul, and Qwen3's q/k RMSNorm + rotary in one. Torch references: kernels/norm.py, kernels/rotary.py, kernels/activation.py (the oracles).
+// SiLU-and-mul, and Qwen3's q/k RMSNorm + rotary in one. Torch references: kernels/norm.py, kernels/rotary.py,
+// kernels/activation.py (the oracles).
 //
 // Why: at decode batch sizes these tensors are a few KB, so the torch references cost their dispatch, not
 // their arithmetic: RMSNorm is eight ops (cast, pow, mean, add, rsqrt, mul, cast, mul), rotary eleven, and a
@@ -207,7 +208,8 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rotary(const at::Tensor& q, const at:
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type(),
               "k: want [", q.size(0), ", heads, ", q.size(2), "] of ", q.scalar_type());
   for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(2) && t->scalar_type() == q.scalar_type(),
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(2) &&
+                    t->scalar_type() == q.scalar_type(),
                 "cos, sin: want [", q.size(0), ", ", q.size(2), "] of ", q.scalar_type(), ", got ", t->sizes());
   for (const at::Tensor* t : {&qw, &kw})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == q.size(2) && t->is_contiguous() && t->scalar_type() == q.scalar_type(),
