@@ -6,8 +6,10 @@
 // S^T = K Q^T, so K is read straight from its pages as the tiles' A operand and the online softmax runs with
 // the 16 queries in the lanes (no horizontal sums); P is rounded to bf16 (as torch's CPU flash kernel does)
 // and O^T += V^T P^T on tiles. V of each KV head is copied once per call into V^T tiles, shared by the G query
-// heads of its group. A 512-token chunk of the `small` model: 0.71 ms a layer against torch's flash kernel's
-// 1.05 ms (the prefill step 77 -> 71 ms); the softmax and the tiles' stores and loads are the cost now.//
+// heads of its group. O^T stays in tiles (head_dim <= 64) and is rescaled only when a query's max grows by
+// RESCALE_AT; the scale rides in the exponent (2^x). A 512-token chunk of the `small` model: 0.59 ms a layer
+// against torch's flash kernel's 1.04 ms (the prefill step ~78 -> 71 ms); the softmax on AVX-512 and the
+// tiles' loads and stores, one step after another, are the cost now.//
 // Built into the AVX-512 library only (elsewhere the op says so); the AMX instructions are enabled per function
 // (target attribute), and used only where kernels/cpuinfo.py found amx_bf16 and the kernel was granted the
 // tile state (amx_ready).
@@ -52,11 +54,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0 K (A), tmm1 Q^T (B), tmm2 / tmm3 S^T for keys 0-15 / 16-31, tmm4 V^T (A), tmm5 P^T (B), tmm6 O^T: all
-// 16 rows x 64 bytes.
+// tmm0 K (A), tmm1 Q^T (B), tmm2 / tmm3 S^T for keys 0-15 / 16-31; then, head_dim <= 64, tmm2 P^T (B), tmm3
+// V^T (A) and tmm4-7 O^T; else tmm4 V^T, tmm5 P^T, tmm6 one chunk of O^T. All 16 rows x 64 bytes.
 __attribute__((target("amx-tile"))) void load_tiles() {
   TileConfig c;
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < 8; ++t) {
     c.colsb[t] = 64;
     c.rows[t] = 16;
   }
@@ -80,15 +82,13 @@ void lay_out_v(const bf16* kv, const int64_t* table, int64_t ts, int64_t page_st
   }
 }
 
-// exp on 16 lanes, enough for probabilities rounded to bf16 next (8-bit mantissa): 2^n 2^f with a degree-4
-// polynomial for 2^f on [-0.5, 0.5] (relative error < 4e-6), inputs below -87 give 0.
-__attribute__((target("avx512f"))) inline __m512 exp_bf16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+// 2^t on 16 lanes, enough for probabilities rounded to bf16 next (8-bit mantissa): 2^n 2^f, f in [-0.5, 0.5],
+// 2^f by a degree-4 polynomial (relative error < 5e-5); t = -inf (a masked key) gives NaN, which the caller
+// masks to 0, and a t far below -126 gives 0.
+__attribute__((target("avx512f"))) inline __m512 pow2_bf16(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
@@ -96,11 +96,37 @@ __attribute__((target("avx512f"))) inline __m512 exp_bf16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+#define TRND_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+
+// O^T held in tiles tmm4..tmm7 (head_dim <= 64: up to four 16-dim chunks); the tile number must be an immediate.
+TRND_AMX inline void o_zero(int64_t c) {
+  switch (c) { case 0: _tile_zero(4); break; case 1: _tile_zero(5); break; case 2: _tile_zero(6); break;
+               default: _tile_zero(7); }
+}
+TRND_AMX inline void o_dp(int64_t c) {  // O^T chunk c += V^T (tmm3) P^T (tmm2)
+  switch (c) { case 0: _tile_dpbf16ps(4, 3, 2); break; case 1: _tile_dpbf16ps(5, 3, 2); break;
+               case 2: _tile_dpbf16ps(6, 3, 2); break; default: _tile_dpbf16ps(7, 3, 2); }
+}
+TRND_AMX inline void o_store(int64_t c, float* p) {
+  switch (c) { case 0: _tile_stored(4, p, 64); break; case 1: _tile_stored(5, p, 64); break;
+               case 2: _tile_stored(6, p, 64); break; default: _tile_stored(7, p, 64); }
+}
+TRND_AMX inline void o_load(int64_t c, const float* p) {
+  switch (c) { case 0: _tile_loadd(4, p, 64); break; case 1: _tile_loadd(5, p, 64); break;
+               case 2: _tile_loadd(6, p, 64); break; default: _tile_loadd(7, p, 64); }
+}
+
+// A query's running max may fall behind its true max by this much (e^8 in the probabilities, far inside fp32's
+// and bf16's range) before O and l are rescaled: with O in tiles a rescale is a store, 64 multiplies and a
+// load, so it is done only when a max grows that much, not every step (FlashAttention-4's lazy rescaling).
+constexpr float RESCALE_AT = 8.0f;
+
 // One block of up to 16 queries of one query head: rows [q0, q0 + nq) of the chunk, at positions prior + i.
 // Scores go transposed, S^T = K Q^T (keys as tile rows, the 16 queries as lanes): K is read straight from its
 // pages as the A operand, the softmax runs across 32 key vectors with no horizontal sums, and P^T feeds
 // O^T += V^T P^T. O^T (dims x queries) stays in L1 in fp32.
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void run_block(
+template <bool TILE_O>  // O^T in tiles with lazy rescaling (head_dim <= 64), else in L1 rescaled every step
+TRND_AMX void run_block(
     const bf16* q, int64_t qs0, int64_t qs1, int64_t hq_idx, int64_t q0, int64_t nq, int64_t prior, int64_t L,
     const bf16* kv, const int64_t* table, int64_t ts, int64_t page_stride, int64_t layer_off, int64_t P, int64_t h,
     int64_t D, const uint16_t* vt, float scale, bf16* out, int64_t os0, int64_t os1) {
@@ -115,7 +141,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void ru
     for (int64_t u = 0; u < D / 2; ++u) qt[(u / 16) * 256 + (u % 16) * 16 + m] = row[u];
   }
   std::memset(ot, 0, sizeof(float) * D * 16);
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), vscale = _mm512_set1_ps(scale);
+  if constexpr (TILE_O)
+    for (int64_t c = 0; c < D / 16; ++c) o_zero(c);
+  const __m512 vtau = _mm512_set1_ps(RESCALE_AT / scale), vlog = _mm512_set1_ps(scale * 1.44269504088896341f);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lanes = _mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_epi32(static_cast<int>(nq - 1)));  // a short block's extras
   const __m512i pair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
@@ -138,46 +167,75 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void ru
     }
     _tile_stored(2, st, 64);
     _tile_stored(3, st + 256, 64);
-    // query m (position prior + q0 + m) sees key k0 + j iff k0 + j - prior - q0 <= m, and k0 + j < L
+    // query m (position prior + q0 + m) sees key k0 + j iff k0 + j - prior - q0 <= m, and k0 + j < L. Scores
+    // stay raw (the max is the same), the scale goes into the exponent: p = 2^((s - m) scale log2 e).
     const bool masked = k0 + KB > prior + q0 + 1 || k0 + KB > L;
     __m512 mx = ninf;
     for (int64_t j = 0; j < KB; ++j) {
-      __m512 sj = _mm512_mul_ps(_mm512_load_ps(st + j * 16), vscale);
+      __m512 sj = _mm512_load_ps(st + j * 16);
       if (masked) {
         const __mmask16 seen = k0 + j < L ? _mm512_cmpge_epi32_mask(lanes, _mm512_set1_epi32(
                                                 static_cast<int>(k0 + j - prior - q0)))
                                           : static_cast<__mmask16>(0);
         sj = _mm512_mask_blend_ps(seen, ninf, sj);
+        _mm512_store_ps(st + j * 16, sj);
       }
-      _mm512_store_ps(st + j * 16, sj);
       mx = _mm512_max_ps(mx, sj);
     }
-    const __m512 mnew = _mm512_max_ps(mrun, mx);  // finite: every query sees key 0, in the first step
-    const __m512 corr = exp_bf16(_mm512_sub_ps(mrun, mnew));
+    __m512 corr = _mm512_set1_ps(1.0f);
+    if (k0 == 0) {  // every query sees key 0: the first step's max is finite, and O and l are still zero
+      mrun = mx;
+    } else if (!TILE_O || _mm512_cmp_ps_mask(mx, _mm512_add_ps(mrun, vtau), _CMP_GT_OQ)) {
+      const __m512 mnew = _mm512_max_ps(mrun, mx);
+      corr = pow2_bf16(_mm512_mul_ps(_mm512_sub_ps(mrun, mnew), vlog));
+      mrun = mnew;
+      if constexpr (TILE_O) {
+        for (int64_t c = 0; c < D / 16; ++c) {
+          o_store(c, ot + c * 256);
+          for (int64_t d = 0; d < 16; ++d) {
+            float* o = ot + (c * 16 + d) * 16;
+            _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), corr));
+          }
+          o_load(c, ot + c * 256);
+        }
+      }
+    }
+    const __m512 mlog = _mm512_mul_ps(mrun, vlog);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < KB; j += 2) {
       const __m512 a = _mm512_load_ps(st + j * 16), b = _mm512_load_ps(st + (j + 1) * 16);
-      // a masked key's score is -inf: its probability must be exactly 0 (its V row may be anything)
-      const __m512 pa = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(a, ninf), exp_bf16(_mm512_sub_ps(a, mnew)));
-      const __m512 pb = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(b, ninf), exp_bf16(_mm512_sub_ps(b, mnew)));
+      __m512 pa = pow2_bf16(_mm512_fmsub_ps(a, vlog, mlog)), pb = pow2_bf16(_mm512_fmsub_ps(b, vlog, mlog));
+      if (masked) {  // a masked key's probability must be exactly 0 (its V row may be anything)
+        pa = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(a, ninf), pa);
+        pb = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(b, ninf), pb);
+      }
       sum = _mm512_add_ps(sum, _mm512_add_ps(pa, pb));
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(pb, pa);  // [pa as bf16, pb as bf16]
       _mm512_store_si512(pt + j * 16, _mm512_permutexvar_epi16(pair, both));  // (pa[m], pb[m]) pairs
     }
     lrun = _mm512_fmadd_ps(lrun, corr, sum);
-    mrun = mnew;
-    _tile_loadd(5, pt, 64);
-    for (int64_t c = 0; c < D / 16; ++c) {
-      _tile_zero(6);
-      _tile_loadd(4, vt + ((k0 / KB) * (D / 16) + c) * 512, 64);
-      _tile_dpbf16ps(6, 4, 5);
-      _tile_stored(6, pv, 64);
-      for (int64_t d = 0; d < 16; ++d) {
-        float* o = ot + (c * 16 + d) * 16;
-        _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), corr, _mm512_load_ps(pv + d * 16)));
+    if constexpr (TILE_O) {
+      _tile_loadd(2, pt, 64);
+      for (int64_t c = 0; c < D / 16; ++c) {
+        _tile_loadd(3, vt + ((k0 / KB) * (D / 16) + c) * 512, 64);
+        o_dp(c);
+      }
+    } else {
+      _tile_loadd(5, pt, 64);
+      for (int64_t c = 0; c < D / 16; ++c) {
+        _tile_zero(6);
+        _tile_loadd(4, vt + ((k0 / KB) * (D / 16) + c) * 512, 64);
+        _tile_dpbf16ps(6, 4, 5);
+        _tile_stored(6, pv, 64);
+        for (int64_t d = 0; d < 16; ++d) {
+          float* o = ot + (c * 16 + d) * 16;
+          _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), corr, _mm512_load_ps(pv + d * 16)));
+        }
       }
     }
   }
+  if constexpr (TILE_O)
+    for (int64_t c = 0; c < D / 16; ++c) o_store(c, ot + c * 256);
   alignas(64) float inv[16];
   _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), lrun));
   for (int64_t m = 0; m < nq; ++m) {
@@ -238,7 +296,7 @@ at::Tensor prefill_attention_amx(const at::Tensor& q_, const at::Tensor& kv, int
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < nb * hq; ++it) {
       const int64_t b = nb - 1 - it / hq, h = it % hq;  // the longest blocks (last queries) first
-      run_block(qp, q.stride(0), q.stride(1), h, b * QB, std::min(QB, T - b * QB), prior, L, pool, table, ts,
+      (D <= 64 ? run_block<true> : run_block<false>)(qp, q.stride(0), q.stride(1), h, b * QB, std::min(QB, T - b * QB), prior, L, pool, table, ts,
                 page_stride, layer_off, P, h / G, D, vt.data() + (h / G) * Lp * D, static_cast<float>(scale), op,
                 out.stride(0), out.stride(1));
     }
