@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 from trnd.bench.profile import CATEGORIES
-from trnd.bench.servers import Ctx
+from trnd.bench.servers import Ctx, vllm_preload
 
 
 SECTION = "## Serving: trnd vs vLLM (vllm bench serve)"
@@ -166,7 +166,8 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          "requests, `/v1/completions` streamed. Prefix caching off on both sides (the same prompts are resent).",
          f"- Threads: every server gets all {ctx.threads} cores: trnd `--threads {ctx.threads}` (the disaggregated "
          f"deployment's prefill and decode processes each get {ctx.threads} threads), vLLM "
-         f"`VLLM_CPU_OMP_THREADS_BIND=0-{ctx.threads - 1}` with tcmalloc and libiomp5 preloaded as its CPU docs ask.",
+         f"`VLLM_CPU_OMP_THREADS_BIND=0-{ctx.threads - 1}`; of what its CPU docs ask to preload (tcmalloc, "
+         f"libiomp5) this machine has {', '.join(Path(p).name for p in vllm_preload(ctx)) or 'neither'}, preloaded.",
          f"- Versions: {info['peer']}; trnd torch {info['torch']}; time to ready: "
          + ", ".join(f"{SERVERS[k]} {v:.0f} s" for k, v in info["ready_s"].items()) + ".",
          "- Check: every run must generate "

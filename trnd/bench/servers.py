@@ -192,14 +192,17 @@ def make_server(key: str, ctx: Ctx, rnd: int = 1) -> Server:
             cmd.append("--aggregated")
         return Server(key, cmd, env, port, ctx.out / f"{key}-r{rnd}.log", "/ready")
     env = environ_as_started()  # the peer runs as its operator would start it, without trnd's OpenMP default
-    peer = Path(ctx.peer_py).parent.parent
-    preload = [TCMALLOC] if Path(TCMALLOC).exists() else []
-    preload += [str(peer / "lib" / "libiomp5.so")] if (peer / "lib" / "libiomp5.so").exists() else []
-    env.update(LD_PRELOAD=":".join(preload), VLLM_CPU_OMP_THREADS_BIND=f"0-{ctx.threads - 1}",
+    env.update(LD_PRELOAD=":".join(vllm_preload(ctx)), VLLM_CPU_OMP_THREADS_BIND=f"0-{ctx.threads - 1}",
                VLLM_CPU_KVCACHE_SPACE="4", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     cmd = [*ctx.vllm(), "serve", ctx.model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
            "--dtype", "bfloat16", "--no-enable-prefix-caching"]
     return Server(key, cmd, env, port, ctx.out / f"{key}-r{rnd}.log", "/health")
+
+
+def vllm_preload(ctx: Ctx) -> list[str]:
+    """What vLLM's CPU docs ask to preload, of what this machine has: tcmalloc, the peer's libiomp5."""
+    iomp = Path(ctx.peer_py).parent.parent / "lib" / "libiomp5.so"
+    return [p for p in (TCMALLOC, str(iomp)) if Path(p).exists()]
 
 
 def roles_server(ctx: Ctx, port: int, env: dict[str, str], rnd: int) -> Server:
