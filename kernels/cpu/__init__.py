@@ -28,8 +28,8 @@ MAX_ROW = 16384  # csrc/elementwise.cpp's MAX_ROW
 # to the AMX kernel where the CPU has AMX, else to torch's flash kernel, which tiles the queries (measured in
 # docs/RESULTS.md).
 PREFILL_MAX_Q = 8
-# The AMX prefill kernel copies the context's K and V into its tiles' order first (csrc/prefill_amx.cpp):
-# longer contexts than this much of that copy go to torch's flash kernel.
+# The AMX prefill kernel copies the context's V into its tiles' order first (csrc/prefill_amx.cpp): contexts
+# whose copy would be larger go to torch's flash kernel.
 AMX_MAX_LAYOUT_BYTES = 64 * 2**20
 
 
@@ -98,7 +98,7 @@ class CompiledOps:
         if not (self.amx and kv.dtype == torch.bfloat16 and self.takes(q, kv)):
             return False
         d = kv.shape[5]
-        return d % 32 == 0 and kv.shape[4] % 16 == 0 and 4 * seq.ctx_len * kv.shape[3] * d <= AMX_MAX_LAYOUT_BYTES
+        return d % 32 == 0 and kv.shape[4] % 16 == 0 and 2 * seq.ctx_len * kv.shape[3] * d <= AMX_MAX_LAYOUT_BYTES
 
     @staticmethod
     def rows(x: torch.Tensor, width: int) -> bool:
@@ -145,8 +145,9 @@ class CompiledOps:
                                          self.dpbf16 and kv.dtype == torch.bfloat16)
 
     def prefill_attention(self, q, k_new, v_new, kv, layer, seq, page_size, scale):
-        """A short chunk (its K/V already in the pages: the model writes before it attends) as decode rows:
-        query i of the chunk attends the sequence's pages up to its own position."""
+        """A chunk after its K/V are in the pages (the model writes before it attends): a short one as decode
+        rows (query i of the chunk attends the sequence's pages up to its own position), a longer one on AMX
+        tiles where the CPU has them, else torch's flash kernel."""
         if seq.q_len > PREFILL_MAX_Q and self.takes_amx(q, kv, seq):
             return self.lib.prefill_attention_amx(q, kv, layer, seq.pages, seq.ctx_len - seq.q_len, scale)
         if seq.q_len > PREFILL_MAX_Q or not self.takes(q, kv):
