@@ -57,6 +57,9 @@ class Attention(nn.Module):
             out = chunk_attention(q, kv, self.layer, meta.chunk_pages, meta.chunk_pos, self.scale)
         elif nd == t:
             out = self.ops.decode_attention(q, kv, self.layer, meta, self.scale)
+        elif nd == 0 and len(meta.prefill) == 1 and meta.prefill[0].q_len == t:  # one chunk alone: no copy
+            s = meta.prefill[0]
+            out = self.ops.prefill_attention(q, k, v, kv, self.layer, s, fp8.page_size_of(kv, hd), self.scale)
         else:
             out = torch.empty_like(q)
             if nd:
