@@ -269,7 +269,24 @@ def argv_source(role: str, cls: type, argv: list[str] | None = None) -> Callable
     return lambda: load_config(cls, args.config, flags)
 
 
+# The commands that load a model or hold KV pages: started from the command line, they re-exec once with
+# glibc's huge-page tunable (trnd/__init__.py huge_pages_environ); their children inherit it.
+HUGE_PAGE_COMMANDS = ("serve", "prefill", "decode", "store", "bench", "compile")
+
+
+def _reexec_with_huge_pages(argv: list[str]) -> None:
+    import os
+
+    from trnd import huge_pages_environ
+
+    env = huge_pages_environ() if argv[:1] and argv[0] in HUGE_PAGE_COMMANDS else None
+    if env is not None and getattr(sys, "orig_argv", None):
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # same pid: systemd sees one process
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command line, not a caller in this process (tests): may re-exec
+        _reexec_with_huge_pages(sys.argv[1:])
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["check"]:  # the operator's device check: its own flags (trnd check --help)
         from trnd.check import main as check_main
