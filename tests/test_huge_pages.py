@@ -62,3 +62,15 @@ def test_lightweight_commands_and_an_opted_out_operator_do_not_re_exec():
         out = _started(args, env)
         line = [x for x in out.stdout.splitlines() if x.startswith("TUNABLES")]
         assert line and line[0].split()[1] == "-", (args, out.stdout, out.stderr)
+
+
+@needs
+def test_programs_that_are_not_trnd_get_the_operators_environment(monkeypatch):
+    """`trnd bench` starts vLLM and its load generator as their operator would: without trnd's tunable."""
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    monkeypatch.delenv("TRND_MALLOC_TUNE", raising=False)
+    env = trnd.huge_pages_environ()
+    monkeypatch.setattr(trnd.os, "environ", env)
+    assert trnd.environ_as_started()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    monkeypatch.setattr(trnd.os, "environ", {**env, "TRND_GLIBC_TUNABLES_WAS": ""})
+    assert "GLIBC_TUNABLES" not in trnd.environ_as_started()

@@ -22,11 +22,17 @@ if not OMP_SET_BY_OPERATOR:
 
 
 def environ_as_started() -> dict[str, str]:
-    """This process's environment without the OpenMP default trnd set: for programs that are not trnd
-    (a peer server or load generator in `trnd bench`), which must run as the operator started them."""
+    """This process's environment without the OpenMP default and the malloc tunable trnd set: for programs that
+    are not trnd (a peer server or load generator in `trnd bench`), which must run as the operator started them."""
     env = dict(os.environ)
     if env.pop("TRND_GOMP_DEFAULT", None) is not None and not OMP_SET_BY_OPERATOR:
         env.pop("GOMP_SPINCOUNT", None)
+    was = env.pop("TRND_GLIBC_TUNABLES_WAS", None)  # the huge-page tunable trnd added (huge_pages_environ)
+    if was is not None:
+        if was:
+            env["GLIBC_TUNABLES"] = was
+        else:
+            env.pop("GLIBC_TUNABLES", None)
     return env
 
 
@@ -78,6 +84,7 @@ def huge_pages_environ() -> dict[str, str] | None:
     except (ValueError, OSError, AttributeError):  # no confstr name, no THP in this kernel
         return None
     env = dict(os.environ)
+    env["TRND_GLIBC_TUNABLES_WAS"] = env.get("GLIBC_TUNABLES", "")  # for environ_as_started: not the peer's
     env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), HUGE_PAGES_TUNABLE)))
     return env
 
