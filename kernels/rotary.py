@@ -42,8 +42,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def qk_norm_rotary(q, k, q_weight, k_weight, eps: float, cos, sin, rms_norm=norm.rms_norm, rotary=None):
+def qk_norm_rotary(q, k, q_weight, k_weight, eps: float, cos, sin, rms_norm=norm.rms_norm, rotary=apply_rotary):
     """Qwen3's q/k path: each head row RMSNormed with its weight, then rotary. One op in the table so that a
     backend can fuse it (kernels/cpu/ does); rms_norm and rotary name the two ops this one is composed of
     (a backend with kernels for those but not for this: backends/neuron.py)."""
-    return (rotary or apply_rotary)(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin)
+    return rotary(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin)

@@ -69,8 +69,8 @@ def test_programs_that_are_not_trnd_get_the_operators_environment(monkeypatch):
     """`trnd bench` starts vLLM and its load generator as their operator would: without trnd's tunable."""
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     monkeypatch.delenv("TRND_MALLOC_TUNE", raising=False)
-    env = trnd.huge_pages_environ()
-    monkeypatch.setattr(trnd.os, "environ", env)
+    for k, v in trnd.huge_pages_environ().items():  # this process as the re-exec would have started it
+        monkeypatch.setenv(k, v)
     assert trnd.environ_as_started()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
-    monkeypatch.setattr(trnd.os, "environ", {**env, "TRND_GLIBC_TUNABLES_WAS": ""})
+    monkeypatch.setenv("TRND_GLIBC_TUNABLES_WAS", "")  # the operator had none
     assert "GLIBC_TUNABLES" not in trnd.environ_as_started()

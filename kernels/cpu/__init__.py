@@ -24,6 +24,7 @@ log = logging.getLogger("trnd.kernels")
 ENV = "TRND_CPU_KERNELS"  # "0" turns the compiled kernels off (to measure or bisect against the torch ops)
 MAX_HEAD_DIM = MAX_PAGE = 256  # csrc/attention.cpp's MAX_D, MAX_P
 MAX_ROW = 16384  # csrc/elementwise.cpp's MAX_ROW
+MAX_HEAD = 512  # csrc/elementwise.cpp's MAX_HEAD (qk_norm_rotary)
 # Chunks up to this many query tokens go through the decode kernel (one row per query token); longer ones
 # to the AMX kernel where the CPU has AMX, else to torch's flash kernel, which tiles the queries (measured in
 # docs/RESULTS.md).
@@ -39,6 +40,11 @@ def variant_for(info: CpuInfo) -> str | None:
     if info.isa == "avx2":
         return "trnd_avx2"
     return None
+
+
+def amx_usable(info: CpuInfo, name: str, lib) -> bool:
+    """The AMX prefill kernel can run: the AVX-512 build loaded, the CPU has amx_bf16, Linux grants the tiles."""
+    return name == "trnd_avx512" and lib is not None and "amx_bf16" in info.flags and lib.amx_ready()
 
 
 def load_library(name: str) -> tuple[object | None, str]:
@@ -123,7 +129,7 @@ class CompiledOps:
         return self.lib.apply_rotary(q, k, cos, sin)
 
     def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, cos, sin):
-        if not (q.dim() == 3 and self.rows(q, q.shape[-1] // 2) and k.stride(-1) == 1 and q.shape[-1] <= 512
+        if not (q.dim() == 3 and self.rows(q, q.shape[-1] // 2) and k.stride(-1) == 1 and q.shape[-1] <= MAX_HEAD
                 and k.dtype == cos.dtype == sin.dtype == q_weight.dtype == k_weight.dtype == q.dtype):
             return rotary.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, self.rms_norm, self.apply_rotary)
         return self.lib.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin)
@@ -190,7 +196,7 @@ def cpu_ops() -> Ops:
         log.info("cpu kernels: not used (%s); the torch ops run", why)
         return TORCH_OPS
     dpbf16 = info.isa == "avx512_bf16"
-    amx = "amx_bf16" in info.flags and name == "trnd_avx512" and lib.amx_ready()
+    amx = amx_usable(info, name, lib)
     log.info("cpu kernels: %s%s%s on %s", name, " with dpbf16" if dpbf16 else "", " and AMX prefill" if amx else "",
              info.summary())
     return compiled(name, dpbf16, amx)

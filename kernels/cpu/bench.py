@@ -16,7 +16,7 @@ import torch
 
 from kernels import attention
 from kernels.attention import AttnMeta, PrefillSeq
-from kernels.cpu import compiled, load_library
+from kernels.cpu import amx_usable, compiled, load_library
 from kernels.cpuinfo import cpu_info
 
 
@@ -40,7 +40,8 @@ def _pool(b: int, ctx: int, hk: int, p: int, d: int, dt, layers: int = 2):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kernels.cpu.bench")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--ctx", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[512, 1024],
+                    help="decode contexts, and the cached prefix of each prefill chunk (0: none, prefill only)")
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--kv-heads", type=int, default=4)
@@ -61,7 +62,7 @@ def main(argv=None) -> None:
     if info.isa == "avx512_bf16":
         builds.append(("avx512+dpbf16", "trnd_avx512", True))
     loaded = {name: load_library(name)[0] for _, name, _ in builds}
-    amx = "amx_bf16" in info.flags and loaded.get("trnd_avx512") is not None and loaded["trnd_avx512"].amx_ready()
+    amx = amx_usable(info, "trnd_avx512", loaded.get("trnd_avx512"))
     builds = [(label, compiled(name, dp, amx=amx and dp)) for label, name, dp in builds if loaded[name] is not None]
     hq, hk, d, p = a.heads, a.kv_heads, a.head_dim, a.page
     scale = d ** -0.5
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
     for dname in a.dtype:
         dt = getattr(torch, dname)
         for b in a.batch:
-            for ctx in a.ctx:
+            for ctx in (c for c in a.ctx if c > 0):  # a decode row attends at least itself; 0 is a prefill prefix
                 kv, pages = _pool(b, ctx, hk, p, d, dt)
                 q = torch.randn(b, hq, d).to(dt)
                 meta = AttnMeta(None, None, b, pages, torch.full((b,), ctx), [])

@@ -28,6 +28,7 @@ VARIANTS = {
     "trnd_avx2": ["-mavx2", "-mfma", "-mf16c"],
     "trnd_avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
+SOURCES = ("attention.cpp", "elementwise.cpp", "prefill_amx.cpp")
 COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # no FMA not written as one
 
 
@@ -48,7 +49,7 @@ def build(name: str, verbose: bool = False) -> Path:
     out = BUILD / name
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name=name, sources=[str(SRC / f) for f in ("attention.cpp", "elementwise.cpp", "prefill_amx.cpp")], extra_include_paths=[str(SRC)],
+        name=name, sources=[str(SRC / f) for f in SOURCES], extra_include_paths=[str(SRC)],
         extra_cflags=COMMON + VARIANTS[name] + [f"-DTRND_LIB={name}"], extra_ldflags=["-fopenmp"],
         build_directory=str(out), is_python_module=False, verbose=verbose)
     stamp_path(name).write_text(torch.__version__)

@@ -178,6 +178,14 @@ inline void softmax_step(Rows<GB>& r, int64_t D, int64_t n) {
   }
 }
 
+// Lines [from, to) of a page's K block at k and of its V block vo bytes on, toward L1.
+inline void prefetch_lines(const char* k, int64_t vo, int64_t from, int64_t to) {
+  for (int64_t l = from; l < to; ++l) {
+    _mm_prefetch(k + l * 64, _MM_HINT_T0);
+    _mm_prefetch(k + vo + l * 64, _MM_HINT_T0);
+  }
+}
+
 // o[g] += sum_j p[g][j] V[j0 + j], accumulators held in registers across the page's rows.
 // nk: a later page's K block (nullptr: none; its V block is vo bytes on): its lines are prefetched one per
 // V row step, spread over the pass instead of in one burst.
@@ -191,8 +199,7 @@ inline void accumulate(Rows<GB>& r, const T* V, int64_t D, int64_t j0, int64_t n
     for (int g = 0; g < GB; ++g) a[g] = vload(r.o + g * D + c);
     for (int64_t j = 0; j < n; ++j) {
       if (nk != nullptr && l < lines) {
-        _mm_prefetch(nk + l * 64, _MM_HINT_T0);
-        _mm_prefetch(nk + vo + l * 64, _MM_HINT_T0);
+        prefetch_lines(nk, vo, l, l + 1);
         ++l;
       }
       vf v = vload(V + (j0 + j) * D + c);
@@ -202,10 +209,7 @@ inline void accumulate(Rows<GB>& r, const T* V, int64_t D, int64_t j0, int64_t n
 #pragma GCC unroll 8
     for (int g = 0; g < GB; ++g) vstore(r.o + g * D + c, a[g]);
   }
-  for (; nk != nullptr && l < lines; ++l) {
-    _mm_prefetch(nk + l * 64, _MM_HINT_T0);
-    _mm_prefetch(nk + vo + l * 64, _MM_HINT_T0);
-  }
+  if (nk != nullptr) prefetch_lines(nk, vo, l, lines);
 }
 
 struct Item {
@@ -245,26 +249,19 @@ void run_rows(const Args& a, const Item& it, int64_t g0, int64_t gn, Emit&& emit
   }
   const T* kv = static_cast<const T*>(a.kv);
   const int64_t* table = a.pages + it.b * a.pages_s0;
-  const int64_t bytes = P * D * static_cast<int64_t>(sizeof(T));
-  for (int64_t pi = it.t0 / P + 1; pi < it.t0 / P + PREFETCH_PAGES && pi * P < it.t1; ++pi) {
-    // the pages before the first one prefetched in a pass: all at once, now
-    const char* nk = reinterpret_cast<const char*>(kv + table[pi * a.pages_s1] * p.page_stride +
-                                                   a.layer * p.layer_stride + it.h * P * D);
-    for (int64_t off = 0; off < bytes; off += 64) {
-      _mm_prefetch(nk + off, _MM_HINT_T0);
-      _mm_prefetch(nk + p.hk * bytes + off, _MM_HINT_T0);
-    }
-  }
+  const int64_t bytes = P * D * static_cast<int64_t>(sizeof(T)), lines = bytes / 64, vo = p.hk * bytes;
+  auto k_block = [&](int64_t pi) { return kv + table[pi * a.pages_s1] * p.page_stride + a.layer * p.layer_stride +
+                                          it.h * P * D; };
+  // the pages before the first one prefetched during a pass: all at once, now
+  for (int64_t pi = it.t0 / P + 1; pi < it.t0 / P + PREFETCH_PAGES && pi * P < it.t1; ++pi)
+    prefetch_lines(reinterpret_cast<const char*>(k_block(pi)), vo, 0, lines);
   for (int64_t pi = it.t0 / P; pi * P < it.t1; ++pi) {
-    const int64_t page = table[pi * a.pages_s1];
-    const T* K = kv + page * p.page_stride + a.layer * p.layer_stride + it.h * P * D;
+    const T* K = k_block(pi);
     const T* V = K + p.hk * P * D;
     const int64_t j0 = std::max<int64_t>(it.t0 - pi * P, 0), j1 = std::min<int64_t>(it.t1 - pi * P, P);
     // A page two ahead is anywhere in the pool: its K and V lines start loading during this page's pass.
-    const char* nk = nullptr;
-    if ((pi + PREFETCH_PAGES) * P < it.t1)
-      nk = reinterpret_cast<const char*>(kv + table[(pi + PREFETCH_PAGES) * a.pages_s1] * p.page_stride +
-                                         a.layer * p.layer_stride + it.h * P * D);
+    const char* nk = (pi + PREFETCH_PAGES) * P < it.t1 ? reinterpret_cast<const char*>(k_block(pi + PREFETCH_PAGES))
+                                                       : nullptr;
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, bf16>) {
       if (a.dpbf16 && D % 32 == 0) scores_dpbf16<GB>(r, K, D, P, j0, j1, a.scale);
@@ -276,7 +273,7 @@ void run_rows(const Args& a, const Item& it, int64_t g0, int64_t gn, Emit&& emit
     scores<T, GB>(r, K, D, P, j0, j1, kf);
 #endif
     softmax_step<GB>(r, D, j1 - j0);
-    accumulate<T, GB>(r, V, D, j0, j1 - j0, nk, p.hk * bytes, bytes / 64);
+    accumulate<T, GB>(r, V, D, j0, j1 - j0, nk, vo, lines);
   }
   for (int64_t g = 0; g < gn; ++g) emit(g0 + g, r.o + g * D, r.m[g], r.l[g]);
 }

@@ -150,16 +150,22 @@ void check_head_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.size(2) % (2 * W) == 0, name, ": head_dim ", x.size(2), " must be a multiple of ", 2 * W);
 }
 
-std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_,
-                                                const at::Tensor& sin_) {
+// q, k [T, heads, head_dim] and cos, sin [T, head_dim], all of one dtype (what rotary takes).
+void check_rotary_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   check_head_rows(q, "q");
   check_head_rows(k, "k");
-  const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type(),
               "k: want [", q.size(0), ", heads, ", q.size(2), "] of ", q.scalar_type());
   for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(2) && t->scalar_type() == q.scalar_type(),
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(2) &&
+                    t->scalar_type() == q.scalar_type(),
                 "cos, sin: want [", q.size(0), ", ", q.size(2), "] of ", q.scalar_type(), ", got ", t->sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_,
+                                                const at::Tensor& sin_) {
+  const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
+  check_rotary_args(q, k, cos, sin);
   at::Tensor qo = at::empty(q.sizes(), q.options()), ko = at::empty(k.sizes(), k.options());
   if (q.scalar_type() == at::kFloat) {
     rotary_impl<float>(q, cos, sin, qo);
@@ -201,16 +207,9 @@ void norm_rotary_impl(const at::Tensor& x, const at::Tensor& w, double eps, cons
 std::tuple<at::Tensor, at::Tensor> qk_norm_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qw,
                                                   const at::Tensor& kw, double eps, const at::Tensor& cos_,
                                                   const at::Tensor& sin_) {
-  check_head_rows(q, "q");
-  check_head_rows(k, "k");
-  TORCH_CHECK(q.size(2) <= MAX_HEAD, "q: head_dim ", q.size(2), " > ", MAX_HEAD);
   const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
-  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type(),
-              "k: want [", q.size(0), ", heads, ", q.size(2), "] of ", q.scalar_type());
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(2) &&
-                    t->scalar_type() == q.scalar_type(),
-                "cos, sin: want [", q.size(0), ", ", q.size(2), "] of ", q.scalar_type(), ", got ", t->sizes());
+  check_rotary_args(q, k, cos, sin);
+  TORCH_CHECK(q.size(2) <= MAX_HEAD, "q: head_dim ", q.size(2), " > ", MAX_HEAD);
   for (const at::Tensor* t : {&qw, &kw})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == q.size(2) && t->is_contiguous() && t->scalar_type() == q.scalar_type(),
                 "q/k norm weight: want contiguous [", q.size(2), "] of ", q.scalar_type());

@@ -124,7 +124,7 @@ constexpr float RESCALE_AT = 8.0f;
 // One block of up to 16 queries of one query head: rows [q0, q0 + nq) of the chunk, at positions prior + i.
 // Scores go transposed, S^T = K Q^T (keys as tile rows, the 16 queries as lanes): K is read straight from its
 // pages as the A operand, the softmax runs across 32 key vectors with no horizontal sums, and P^T feeds
-// O^T += V^T P^T. O^T (dims x queries) stays in L1 in fp32.
+// O^T += V^T P^T (dims x queries, fp32).
 template <bool TILE_O>  // O^T in tiles with lazy rescaling (head_dim <= 64), else in L1 rescaled every step
 TRND_AMX void run_block(
     const bf16* q, int64_t qs0, int64_t qs1, int64_t hq_idx, int64_t q0, int64_t nq, int64_t prior, int64_t L,
@@ -140,9 +140,10 @@ TRND_AMX void run_block(
     const uint32_t* row = reinterpret_cast<const uint32_t*>(q + (q0 + std::min(m, nq - 1)) * qs0 + hq_idx * qs1);
     for (int64_t u = 0; u < D / 2; ++u) qt[(u / 16) * 256 + (u % 16) * 16 + m] = row[u];
   }
-  std::memset(ot, 0, sizeof(float) * D * 16);
   if constexpr (TILE_O)
-    for (int64_t c = 0; c < D / 16; ++c) o_zero(c);
+    for (int64_t c = 0; c < D / 16; ++c) o_zero(c);  // ot is only ever written from the tiles
+  else
+    std::memset(ot, 0, sizeof(float) * D * 16);
   const __m512 vtau = _mm512_set1_ps(RESCALE_AT / scale), vlog = _mm512_set1_ps(scale * 1.44269504088896341f);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lanes = _mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -296,9 +297,10 @@ at::Tensor prefill_attention_amx(const at::Tensor& q_, const at::Tensor& kv, int
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < nb * hq; ++it) {
       const int64_t b = nb - 1 - it / hq, h = it % hq;  // the longest blocks (last queries) first
-      (D <= 64 ? run_block<true> : run_block<false>)(qp, q.stride(0), q.stride(1), h, b * QB, std::min(QB, T - b * QB), prior, L, pool, table, ts,
-                page_stride, layer_off, P, h / G, D, vt.data() + (h / G) * Lp * D, static_cast<float>(scale), op,
-                out.stride(0), out.stride(1));
+      (D <= 64 ? run_block<true> : run_block<false>)(
+          qp, q.stride(0), q.stride(1), h, b * QB, std::min(QB, T - b * QB), prior, L, pool, table, ts, page_stride,
+          layer_off, P, h / G, D, vt.data() + (h / G) * Lp * D, static_cast<float>(scale), op, out.stride(0),
+          out.stride(1));
     }
     release_tiles();
   }
