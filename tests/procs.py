@@ -17,6 +17,8 @@ def free_port() -> int:
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 120.0, path: str = "/ready") -> None:
+    """Until `path` answers 200; a process that exits first or is not ready in time raises (the latter is
+    stopped first: a caller that raises from here has no handle left to stop it with)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -28,7 +30,8 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 120.0, path: 
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"trnd on port {port} not ready after {timeout} s")
+    out = stop(proc)
+    raise TimeoutError(f"trnd on port {port} not ready after {timeout} s (stopped):\n{out[-4000:]}")
 
 
 def start_serve(model_dir, *extra: str, port: int | None = None) -> tuple[subprocess.Popen, int]:

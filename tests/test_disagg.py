@@ -3,6 +3,8 @@ equals the aggregated engine's, pools return to their baselines, faults and mism
 
 from __future__ import annotations
 
+import glob
+import os
 import signal
 import socket
 
@@ -28,22 +30,27 @@ class Deployment:
     def __init__(self, model_dir, secret, prefill_tp=1, decode_tp=1, n_prefill=1, point="8k", decode_extra=(),
                  prefill_extra=()):
         self.model_dir, self.secret = model_dir, secret
-        self.prefills = []
-        for _ in range(n_prefill):
-            cp, ap = free_port(), free_port()
-            proc = start_role("prefill", model_dir, secret, "--tp", str(prefill_tp), "--point", point,
-                              "--kv-memory-gb", "0.25", *prefill_extra, control_port=cp, admin_port=ap)
-            self.prefills.append([proc, cp, ap])
-        self.port = free_port()
-        peers = [a for _, cp, _ in self.prefills for a in ("--prefill", f"127.0.0.1:{cp}")]
-        self.decode = start_role("decode", model_dir, secret, "--tp", str(decode_tp), "--point", point,
-                                 "--kv-memory-gb", "0.25", "--served-model-name", "m", *peers, *decode_extra,
-                                 port=self.port)
-        for proc, _, ap in self.prefills:
-            wait_ready(ap, proc)
-        wait_ready(self.port, self.decode)
-        # ready means one prefill peer handshaked; a test of failing over between peers needs them all
-        assert wait_for(lambda: sum(p["healthy"] for p in admin_state(self.port)["peers"]) == n_prefill, timeout=60)
+        self.prefills, self.decode = [], None
+        try:
+            for _ in range(n_prefill):
+                cp, ap = free_port(), free_port()
+                proc = start_role("prefill", model_dir, secret, "--tp", str(prefill_tp), "--point", point,
+                                  "--kv-memory-gb", "0.25", *prefill_extra, control_port=cp, admin_port=ap)
+                self.prefills.append([proc, cp, ap])
+            self.port = free_port()
+            peers = [a for _, cp, _ in self.prefills for a in ("--prefill", f"127.0.0.1:{cp}")]
+            self.decode = start_role("decode", model_dir, secret, "--tp", str(decode_tp), "--point", point,
+                                     "--kv-memory-gb", "0.25", "--served-model-name", "m", *peers, *decode_extra,
+                                     port=self.port)
+            for proc, _, ap in self.prefills:
+                wait_ready(ap, proc)
+            wait_ready(self.port, self.decode)
+            # ready means one prefill peer handshaked; a test of failing over between peers needs them all
+            assert wait_for(lambda: sum(p["healthy"] for p in admin_state(self.port)["peers"]) == n_prefill,
+                            timeout=60)
+        except BaseException:  # a role that never got ready: stop the ones started (the test's finally never runs)
+            self.close()
+            raise
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0)
 
     def complete(self, prompt, **kw) -> dict:
@@ -58,7 +65,7 @@ class Deployment:
                 and all(p["pages"]["in_use"] == 0 and not p["running"] for p in ps))
 
     def close(self) -> str:
-        out = stop(self.decode)
+        out = stop(self.decode) if self.decode is not None else ""
         for proc, _, _ in self.prefills:
             out += stop(proc)
         return out
@@ -189,6 +196,28 @@ def test_mismatched_models_are_refused(tiny_qwen3, tiny_llama, secret):
         assert "model_fingerprint" in admin_state(port)["peers"][0]["refused"]
     finally:
         stop(dec), stop(pre)
+
+
+def _children() -> set[int]:
+    """Live processes whose parent is this test process (/proc: no psutil needed)."""
+    me, kids = os.getpid(), set()
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            kids.add(int(stat.split("/")[2]))
+    return kids
+
+
+def test_a_deployment_whose_prefill_never_gets_ready_leaves_no_role_running(tiny_qwen3, secret):
+    """A role that fails at start makes the deployment raise before a test's `try`: the roles it had
+    started must be stopped there, or the decode role outlives the failed test."""
+    before = _children()
+    with pytest.raises(RuntimeError, match="before it was ready"):
+        Deployment(tiny_qwen3, secret, prefill_extra=("--kv-cache-dtype", "fp9"))
+    assert _children() <= before
 
 
 def test_wrong_secret_never_handshakes(tiny_qwen3, secret, tmp_path):

@@ -68,8 +68,12 @@ class Disagg:
                               "--admin-port", str(self.prefill_port)], self.logs["prefill"])
         self.decode = start(["decode", *common, "--prefill", f"127.0.0.1:{cp}", "--served-model-name", "m",
                              "--port", str(self.port)], self.logs["decode"])
-        for port, proc in ((self.store_port, self.store), (self.prefill_port, self.prefill), (self.port, self.decode)):
-            wait_ready(port, proc)
+        try:
+            for port, proc in ((self.store_port, self.store), (self.prefill_port, self.prefill), (self.port, self.decode)):
+                wait_ready(port, proc)
+        except BaseException:  # one never got ready: stop all three (the fixture's teardown never runs)
+            self.close()
+            raise
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0)
 
     def complete(self, prompt: list[int], user: str = "alice"):

@@ -42,6 +42,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--point", help="decode point of the local deployment (configs/points.toml; default 8k)")
     p.add_argument("--static", action="store_const", const=True,
                    help="pad every step to the decode point's buckets, one compiled graph each (engine/static.py)")
+    p.add_argument("--compile-decode", action="store_const", const=True,
+                   help="CPU: run decode-only steps as one inductor graph, compiled at start (~30 s; the weights "
+                        "held twice; engine/compiled.py)")
     p.add_argument("--compile-cache", metavar="DIR",
                    help="load every bucket's graph from a `trnd compile` output (implies --static); refuses a "
                         "cache built for another model, point, dtype or torch")
@@ -95,6 +98,9 @@ def _role_flags(p) -> None:
     p.add_argument("--store", action="append", metavar="HOST:PORT", help="L3: a remote KV store (repeatable)")
     p.add_argument("--static", action="store_const", const=True,
                    help="pad every step to the decode point's buckets, one compiled graph each (engine/static.py)")
+    p.add_argument("--compile-decode", action="store_const", const=True,
+                   help="CPU: run decode-only steps as one inductor graph, compiled at start (~30 s; the weights "
+                        "held twice; engine/compiled.py)")
     p.add_argument("--compile-cache", metavar="DIR",
                    help="load every bucket's graph from a `trnd compile` output (implies --static); refuses a "
                         "cache built for another model, point, dtype or torch")

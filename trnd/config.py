@@ -84,6 +84,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     reasoning_parser: str = "none"  # qwen3 | deepseek_r1 | none
     static: bool = False  # every step padded to the point's buckets, one compiled graph each (engine/static.py)
     compile_cache: str | None = None  # a `trnd compile` output dir: its graphs are loaded, none compiled (implies static)
+    compile_decode: bool = False  # CPU: decode-only steps as one inductor graph, compiled at start (engine/compiled.py)
     # A file every role on this node's cores locks around each forward pass, so they take turns instead of
     # oversubscribing the cores (engine/corelock.py); `trnd serve` sets one for its roles. None: off.
     core_lock: str | None = None
@@ -146,6 +147,14 @@ def _check_static(cfg) -> None:
     if static and cfg.kv_cache_dtype != "auto":
         raise msgspec.ValidationError(f"{field} keeps KV in the model dtype: kv_cache_dtype = {cfg.kv_cache_dtype!r} "
                                       f"runs on the eager path - at `$.{field}`")
+    if cfg.compile_decode:  # engine/compiled.py: one CPU rank, model-dtype pages, not with the static path
+        for bad, why in ((cfg.backend != "cpu", f"backend = {cfg.backend!r} (it compiles for the CPU)"),
+                         (cfg.tp > 1, f"tp = {cfg.tp} (it runs one rank)"),
+                         (static, f"{field} (the static path compiles every step already)"),
+                         (cfg.kv_cache_dtype != "auto", f"kv_cache_dtype = {cfg.kv_cache_dtype!r} (it reads "
+                                                        "model-dtype pages)")):
+            if bad:
+                raise msgspec.ValidationError(f"compile_decode does not go with {why} - at `$.compile_decode`")
 
 
 def load_config(cls: type[msgspec.Struct], path: str | Path | None, overrides: dict | None = None):
@@ -190,6 +199,7 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     store_deadline_s: Annotated[float, Meta(gt=0)] = 1.0  # a slower store is a cache miss
     static: bool = False  # every step padded to the point's buckets, one compiled graph each (engine/static.py)
     compile_cache: str | None = None  # a `trnd compile` output dir: its graphs are loaded, none compiled (implies static)
+    compile_decode: bool = False  # as ServeConfig.compile_decode
     core_lock: str | None = None  # as ServeConfig.core_lock
 
     def __post_init__(self):

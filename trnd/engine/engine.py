@@ -70,8 +70,17 @@ class EngineConfig:
     point: str | None = None  # decode point whose buckets the static path uses; None: derived from this config
     compiler: str | None = None  # the static path's torch.compile backend; None: static.COMPILERS for the device
     core_lock: str | None = None  # a file the roles sharing this node's cores lock per forward (engine/corelock.py)
+    compile_decode: bool = False  # decode-only steps through one inductor graph (engine/compiled.py); CPU
 
     def __post_init__(self):
+        if self.compile_decode:
+            for bad, why in ((self.backend != "cpu", f"backend = {self.backend!r}: it compiles for the CPU"),
+                             (self.tp > 1, f"tp = {self.tp}: it runs one rank"),
+                             (self.static, "static = true: the static path compiles every step already"),
+                             (self.kv_cache_dtype != "auto",
+                              f"kv_cache_dtype = {self.kv_cache_dtype!r}: it reads model-dtype pages")):
+                if bad:
+                    raise ValueError(f"compile_decode = true needs another setting: {why}")
         if self.static and self.tp > 1:
             raise ValueError("static = true runs one rank: tp must be 1")
         if self.static and self.kv_cache_dtype != "auto":
@@ -125,7 +134,8 @@ class Engine:
             self.workers = WorkerGroup(cfg.tp, cfg.model, cfg.dtype, cfg.backend, self.pools, cfg.threads)
             tp = self.workers.tp
         self.model, self.model_config = load_model(cfg.model, cfg.dtype, tp, cfg.backend,
-                                                   prepack=cfg.backend == "cpu" and not cfg.static)
+                                                   prepack=cfg.backend == "cpu" and not cfg.static
+                                                   and not cfg.compile_decode)  # inductor packs its own
         self.tp = tp
         self.pool = PagePool(num_pages)
         # The static path's padding writes its KV into this page: reserved for good, never handed out.
@@ -151,6 +161,16 @@ class Engine:
             self.runner = StaticRunner(self.model, mc, self.pools[0], point, self.scratch_page, compiler=cfg.compiler)
         else:
             self.runner = ModelRunner(self.model, mc, self.pools[0])
+        if cfg.compile_decode:
+            from trnd.engine.compiled import CompiledDecode
+
+            self.runner.compiled = CompiledDecode(self.model)
+            page = self.pool.alloc(1)  # the warm-up's steps write their KV here only
+            try:
+                log.info("compile_decode: decode graphs compiled in %.1f s",
+                         self.runner.compiled.warmup(self.runner.kv, page[0]))
+            finally:
+                self.pool.unref(page)
         # Per-peer transfer metrics of this process (transfer/metrics.py): the store client's reads and
         # writes, the roles' KV handoffs; /metrics renders them with the rest (api/metrics.py).
         self.xfer_metrics = TransferMetrics(Path(cfg.model).resolve().name)  # the served name: api/metrics.py

@@ -92,6 +92,7 @@ class ModelRunner:
         self.device = kv.device
         self.page_size = fp8.page_size_of(kv, cfg.head_dim)
         self.num_kv_heads = model.layers[0].attn.nk  # this rank's
+        self.compiled = None  # engine/compiled.py CompiledDecode: takes the decode-only steps when set
         assert kv.shape[3] == self.num_kv_heads, (kv.shape, self.num_kv_heads)
 
     @property
@@ -107,6 +108,9 @@ class ModelRunner:
 
     def forward(self, x: StepInputs) -> torch.Tensor:
         t = self.tensor
+        if self.compiled is not None and x.decode_ctx and not x.prefill:  # every row a decode, every one sampled
+            return self.compiled(t(x.ids), t(x.positions), t(x.page_ids), t(x.offsets), t(x.decode_pages),
+                                 t(x.decode_ctx), self.kv)
         meta = AttnMeta(t(x.page_ids), t(x.offsets), len(x.decode_ctx),
                         t(x.decode_pages) if x.decode_ctx else None, t(x.decode_ctx) if x.decode_ctx else None,
                         [PrefillSeq(a, b, c, t(pages)) for a, b, c, pages in x.prefill])

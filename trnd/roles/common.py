@@ -67,7 +67,7 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
                                  store=list(cfg.store), store_secret=secret, store_on_finish=cfg.store_on_finish,
                                  store_deadline_s=cfg.store_deadline_s, role=role, static=static,
                                  point=point.name if static else None, compiler=compiler,
-                                 core_lock=cfg.core_lock))
+                                 core_lock=cfg.core_lock, compile_decode=cfg.compile_decode))
     log.info(point_capacity(engine, point).line())
     if static and cache is None:
         log.info("static path without a compile cache: each bucket is compiled on its first use (`trnd compile` "

@@ -80,13 +80,14 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
             "secret_file": str(secret), "log_level": cfg.log_level, "host_cache_gb": cfg.host_cache_gb,
             "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb,
             "store": list(cfg.store), "store_on_finish": cfg.store_on_finish, "store_deadline_s": cfg.store_deadline_s,
-            "static": cfg.static, "compile_cache": cfg.compile_cache,
+            "static": cfg.static, "compile_cache": cfg.compile_cache, "compile_decode": cfg.compile_decode,
             "core_lock": cfg.core_lock or (str(workdir / "cores.lock") if cfg.share_cores else None)}
     children, controls = [], []
     for i in range(cfg.num_prefill):
         control = cfg.prefill_control_port + i if cfg.prefill_control_port else free_port()
         admin = cfg.prefill_admin_port + i if cfg.prefill_admin_port else free_port()
-        path = _write(workdir / f"prefill{i}.toml", {**role, "host": "127.0.0.1", "control_port": control,
+        path = _write(workdir / f"prefill{i}.toml", {**role, "compile_decode": False,  # it runs no decode step
+                                                     "host": "127.0.0.1", "control_port": control,
                                                      "admin_port": admin, "api_key": cfg.resolved_api_key(),
                                                      "drain_timeout_s": cfg.drain_timeout_s})
         children.append(Child(f"prefill{i}", "prefill", path, {"prefill_admin_port": admin,

@@ -49,7 +49,8 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
                                  host_cache_gb=cfg.host_cache_gb, host_policy=cfg.host_policy,
                                  node_host_memory_gb=cfg.node_host_memory_gb, store=list(cfg.store),
                                  store_secret=cfg.resolved_secret_optional(), store_on_finish=cfg.store_on_finish,
-                                 store_deadline_s=cfg.store_deadline_s, static=cfg.static, core_lock=cfg.core_lock))
+                                 store_deadline_s=cfg.store_deadline_s, static=cfg.static, core_lock=cfg.core_lock,
+                                 compile_decode=cfg.compile_decode))
         try:
             life.status("warming up")
             log.info("warm-up took %.2f s", warm_up(engine))
