@@ -32,14 +32,17 @@ def test_compiled_decode_generates_what_the_eager_engine_does(engines):
     # one sequence alone (batch 1), then a ragged batch: contexts of 1 page, mid-page, several pages
     prompts = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (3, 17, 40, 95, 200)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1)
-    for batch in (prompts[:1], prompts):
-        want = eager.generate(batch, params)
-        got = compiled.generate(batch, params)
-        assert [c.token_ids for c in got] == [c.token_ids for c in want]
-        for a, b in zip(got, want):
-            assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
+    try:
+        for batch in (prompts[:1], prompts):
+            want = eager.generate(batch, params)
+            got = compiled.generate(batch, params)
+            assert [c.token_ids for c in got] == [c.token_ids for c in want]
+            for a, b in zip(got, want):
+                assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs],
+                                                                          abs=1e-4)
+    finally:
+        compiled.engine.runner.compiled = graph
     assert 1 in calls and max(calls) == len(prompts)  # the graph took the decode steps, batch 1 and the batch
-    compiled.engine.runner.compiled = graph
     assert compiled.engine.pool.num_free == eager.engine.pool.num_free  # the warm-up's page went back
 
 

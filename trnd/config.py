@@ -137,7 +137,8 @@ def _check_common(cfg) -> None:
 
 
 def _check_static(cfg) -> None:
-    """The static path runs one rank on model-dtype pages (engine/static.py); a compile cache is its graphs."""
+    """The static path runs one rank on model-dtype pages (engine/static.py); a compile cache is its graphs.
+    compile_decode (engine/compiled.py) likewise, on the CPU, and not beside the static path."""
     if "static" not in cfg.__struct_fields__:
         return
     static = cfg.static or cfg.compile_cache is not None

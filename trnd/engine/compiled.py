@@ -1,20 +1,20 @@
-"""CompiledDecode: the decode-only step as one inductor graph on the CPU, for any batch and context.
+"""CompiledDecode: the decode-only step as one Inductor graph on the CPU, for any batch and context.
 
 Eager, a decode step of the `small` model runs ~110 ops from Python, and every op after a linear pays
 for the linear's weight stream: the weights (MBs per call) evict the interpreter's and the dispatcher's
-working set from L2, so the next small op costs 15-20 us instead of 1-3 (measured: a 16 x 768 torch.empty
-takes 0.8 us alone, 15 us right after a 768 x 4096 linear). Compiled with inductor (`freezing`: the
-weights become constants, prepacked by inductor for oneDNN; `cpp_wrapper`: the graph is called from C++,
-not Python), the step is one call: measured 13-18% faster per decode step than the eager runner at batch
-1-16 with bit-identical logits (docs/RESULTS.md).
+working set from L2, so the next small op costs 15-20 us instead of 1-3 (measured: torch.empty(2048)
+takes 0.8 us alone, 15 us right after a 768 x 4096 linear). Compiled with Inductor (`freezing`: the
+weights become constants, prepacked by Inductor for oneDNN; `cpp_wrapper`: the graph is called from C++,
+not Python; `emulate_precision_casts`: bf16 rounded where eager rounds), the step is one call: measured
+13-20% faster than the eager runner at batch 1-16, logits bit-identical (docs/RESULTS.md).
 
-Shapes are dynamic (batch and page-table width are symbols), so a handful of graphs cover every step;
-`warmup` compiles them before READY. Prefill and mixed steps stay eager: their GEMMs dominate and the
+Batch size and page-table width are symbols, so two graphs (batch 1, batch > 1) cover every step;
+`warmup` compiles both before READY. Prefill and mixed steps stay eager: their GEMMs dominate and the
 compiled prefill kernels (kernels/cpu/) are already one call each.
 
-Costs, why it is opt-in (`compile_decode`): the compile takes ~40-50 s at start for `small` (freezing
-keeps inductor's graph cache from serving it again), and the weights are held twice (the eager path's
-plain copy and the graph's packed constants). One rank only, model-dtype KV pages.
+Costs, why it is opt-in (`compile_decode`): the compile takes ~30 s at start for `small` on 2 cores
+(Inductor's graph cache does not serve frozen graphs again), and the weights are held twice (the eager
+path's plain copy and the graph's packed constants). One rank only, model-dtype KV pages.
 """
 
 from __future__ import annotations
