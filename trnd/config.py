@@ -148,14 +148,23 @@ def _check_static(cfg) -> None:
     if static and cfg.kv_cache_dtype != "auto":
         raise msgspec.ValidationError(f"{field} keeps KV in the model dtype: kv_cache_dtype = {cfg.kv_cache_dtype!r} "
                                       f"runs on the eager path - at `$.{field}`")
-    if cfg.compile_decode:  # engine/compiled.py: one CPU rank, model-dtype pages, not with the static path
-        for bad, why in ((cfg.backend != "cpu", f"backend = {cfg.backend!r} (it compiles for the CPU)"),
-                         (cfg.tp > 1, f"tp = {cfg.tp} (it runs one rank)"),
-                         (static, f"{field} (the static path compiles every step already)"),
-                         (cfg.kv_cache_dtype != "auto", f"kv_cache_dtype = {cfg.kv_cache_dtype!r} (it reads "
-                                                        "model-dtype pages)")):
-            if bad:
-                raise msgspec.ValidationError(f"compile_decode does not go with {why} - at `$.compile_decode`")
+    why = compile_decode_conflict(cfg.compile_decode, cfg.backend, cfg.tp, static, cfg.kv_cache_dtype)
+    if why:
+        raise msgspec.ValidationError(f"{why} - at `$.compile_decode`")
+
+
+def compile_decode_conflict(on: bool, backend: str, tp: int, static: bool, kv_cache_dtype: str) -> str | None:
+    """Why compile_decode (engine/compiled.py: one CPU rank, model-dtype pages, not beside the static path)
+    cannot run with these settings; None when it can. Role configs and EngineConfig both ask."""
+    if not on:
+        return None
+    for bad, why in ((backend != "cpu", f"backend = {backend!r} (it compiles for the CPU)"),
+                     (tp > 1, f"tp = {tp} (it runs one rank)"),
+                     (static, "static (the static path compiles every step already)"),
+                     (kv_cache_dtype != "auto", f"kv_cache_dtype = {kv_cache_dtype!r} (it reads model-dtype pages)")):
+        if bad:
+            return f"compile_decode does not go with {why}"
+    return None
 
 
 def load_config(cls: type[msgspec.Struct], path: str | Path | None, overrides: dict | None = None):

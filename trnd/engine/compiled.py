@@ -33,7 +33,6 @@ class CompiledDecode:
         fwd = type(model).forward  # without its inference_mode: AOTAutograd refuses inference tensors made inside
         self._forward = getattr(fwd, "__wrapped__", fwd)  # a compiled region (as engine/static.py); no_grad instead
         self._graph = torch.compile(self._step, backend="inductor", dynamic=True, fullgraph=True)
-        self.compile_s = 0.0
 
     def _step(self, ids, positions, page_ids, offsets, pages, ctx, kv):
         meta = AttnMeta(page_ids, offsets, ids.shape[0], pages, ctx, [])
@@ -48,12 +47,12 @@ class CompiledDecode:
         with torch._inductor.config.patch(freezing=True, cpp_wrapper=True, emulate_precision_casts=True):
             return self._graph(ids, positions, page_ids, offsets, pages, ctx, kv)
 
-    def warmup(self, kv: torch.Tensor, page: int) -> float:
-        """Compile the graphs a server meets (batch 1 and batch > 1, any page-table width) with steps that
-        write only into `page`, a page the caller holds for the duration. Returns the seconds it took."""
-        t0 = time.perf_counter()
-        t = lambda v: torch.tensor(v, dtype=torch.long, device=kv.device)  # noqa: E731
+    def warmup(self, runner, page: int) -> float:
+        """Compile the graphs a server meets (batch 1 and batch > 1, any page-table width) with steps on the
+        runner's pool that write only into `page`, a page the caller holds for the duration. Returns the
+        seconds it took."""
+        t0, t = time.perf_counter(), runner.tensor
         for b in (3, 1):  # sizes of no dimension of kv (dynamo ties equal sizes together)
-            self(t([0] * b), t(list(range(b))), t([page] * b), t(list(range(b))), t([[page] * 5] * b), t([b] * b), kv)
-        self.compile_s = time.perf_counter() - t0
-        return self.compile_s
+            self(t([0] * b), t(list(range(b))), t([page] * b), t(list(range(b))), t([[page] * 5] * b), t([b] * b),
+                 runner.kv)
+        return time.perf_counter() - t0

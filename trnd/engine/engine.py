@@ -16,6 +16,7 @@ import torch
 
 from kernels import fp8
 from trnd.cache.budget import NodeBudget
+from trnd.config import compile_decode_conflict
 from trnd.cache.host import HostTier
 from trnd.cache.pages import PagePool
 from trnd.cache.radix import RadixCache
@@ -73,14 +74,9 @@ class EngineConfig:
     compile_decode: bool = False  # decode-only steps through one inductor graph (engine/compiled.py); CPU
 
     def __post_init__(self):
-        if self.compile_decode:
-            for bad, why in ((self.backend != "cpu", f"backend = {self.backend!r}: it compiles for the CPU"),
-                             (self.tp > 1, f"tp = {self.tp}: it runs one rank"),
-                             (self.static, "static = true: the static path compiles every step already"),
-                             (self.kv_cache_dtype != "auto",
-                              f"kv_cache_dtype = {self.kv_cache_dtype!r}: it reads model-dtype pages")):
-                if bad:
-                    raise ValueError(f"compile_decode = true needs another setting: {why}")
+        if why := compile_decode_conflict(self.compile_decode, self.backend, self.tp, self.static,
+                                          self.kv_cache_dtype):
+            raise ValueError(why)
         if self.static and self.tp > 1:
             raise ValueError("static = true runs one rank: tp must be 1")
         if self.static and self.kv_cache_dtype != "auto":
@@ -168,7 +164,7 @@ class Engine:
             page = self.pool.alloc(1)  # the warm-up's steps write their KV here only
             try:
                 log.info("compile_decode: decode graphs compiled in %.1f s",
-                         self.runner.compiled.warmup(self.runner.kv, page[0]))
+                         self.runner.compiled.warmup(self.runner, page[0]))
             finally:
                 self.pool.unref(page)
         # Per-peer transfer metrics of this process (transfer/metrics.py): the store client's reads and
