@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 from trnd.bench.profile import CATEGORIES
-from trnd.bench.servers import Ctx, vllm_preload
+from trnd.bench.servers import Ctx, peer_dtype, vllm_preload
 
 
 SECTION = "## Serving: trnd vs vLLM (vllm bench serve)"
@@ -163,7 +163,9 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          + (f" The whole run (every server, its children and the load generator alike) ran at niceness "
             f"{facts['nice']}, so the other work on the shared cores took little from whichever server was measured."
             if facts["nice"] else ""),
-         f"- Model: `small` preset ({info['model']}), ~100M parameters, Qwen3 architecture, random weights, bf16.",
+         f"- Model: `small` preset ({info['model']}), ~100M parameters, Qwen3 architecture, random weights, bf16; "
+         f"computed in {peer_dtype()} by both sides (trnd at its default `--dtype auto`, which picks it for this "
+         f"CPU; vLLM `--dtype {peer_dtype()}`, its best on this CPU class).",
          f"- Workload: random dataset, {a.input_len} input / {a.output_len} output tokens (range ratio 0), "
          f"{a.num_prompts} prompts per concurrency, ignore_eos, temperature 0, seed 0, {a.warmups} warm-up "
          "requests, `/v1/completions` streamed. Prefix caching off on both sides (the same prompts are resent).",

@@ -180,14 +180,23 @@ class Ctx:
         return [self.peer_py, self.wrapper]
 
 
+def peer_dtype() -> str:
+    """vLLM at its own best dtype for this CPU: bf16 where the CPU computes bf16 natively (AVX-512 BF16 /
+    AMX), float32 elsewhere (bf16 is emulated on an AVX2-only CPU, several times slower for both servers)."""
+    from kernels.cpuinfo import cpu_info
+
+    return "bfloat16" if cpu_info().native_bf16 else "float32"
+
+
 def make_server(key: str, ctx: Ctx, rnd: int = 1) -> Server:
+    """trnd runs at its default dtype (`auto`: what `trnd serve` picks for this CPU), vLLM at `peer_dtype`."""
     port = free_port()
     env = dict(os.environ)
     if key == "trnd-disagg-roles":
         return roles_server(ctx, port, env, rnd)
     if key.startswith("trnd"):
         cmd = [sys.executable, "-m", "trnd", "serve", "--model", ctx.model, "--host", "127.0.0.1", "--port",
-               str(port), "--dtype", "bfloat16", "--no-prefix-cache", "--threads", str(ctx.threads)]
+               str(port), "--no-prefix-cache", "--threads", str(ctx.threads)]
         if key.startswith("trnd-agg"):
             cmd.append("--aggregated")
         if key.endswith("-compiled"):
@@ -197,7 +206,7 @@ def make_server(key: str, ctx: Ctx, rnd: int = 1) -> Server:
     env.update(LD_PRELOAD=":".join(vllm_preload(ctx)), VLLM_CPU_OMP_THREADS_BIND=f"0-{ctx.threads - 1}",
                VLLM_CPU_KVCACHE_SPACE="4", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     cmd = [*ctx.vllm(), "serve", ctx.model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-           "--dtype", "bfloat16", "--no-enable-prefix-caching"]
+           "--dtype", peer_dtype(), "--no-enable-prefix-caching"]
     return Server(key, cmd, env, port, ctx.out / f"{key}-r{rnd}.log", "/health")
 
 
@@ -214,7 +223,7 @@ def roles_server(ctx: Ctx, port: int, env: dict[str, str], rnd: int) -> Server:
     secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
     control, admin = free_port(), free_port()
-    common = ["--model", ctx.model, "--dtype", "bfloat16", "--threads", str(ctx.threads), "--no-prefix-cache",
+    common = ["--model", ctx.model, "--threads", str(ctx.threads), "--no-prefix-cache",
               "--secret-file", str(secret), "--host", "127.0.0.1"]
     py = [sys.executable, "-m", "trnd"]
     pre = [*py, "prefill", *common, "--control-port", str(control), "--admin-port", str(admin)]
