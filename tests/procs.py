@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from trnd.procs import free_port  # noqa: F401  (tests import it from here)
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 120.0, path: str = "/ready") -> None:

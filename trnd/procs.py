@@ -52,10 +52,21 @@ def bind_port(host: str, port: int, field: str = "port") -> socket.socket:
     return sock
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now that this process has not handed out before. Callers take several before
+    the children that bind them start, and the kernel offers a port it just gave again (measured here: a
+    repeat within 3 picks about once in 1500): a decode server told the prefill's admin port fails to bind,
+    and its /ready is answered by the prefill."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def is_ready(port: int, path: str = "/ready", timeout: float = 0.5) -> bool:
