@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -139,3 +140,46 @@ def test_a_port_taken_after_the_supervisors_check_stops_the_deployment_with_exit
     assert any(ln.startswith("<4>") and "decode exited with 1 before the deployment was ready" in ln
                for ln in err.splitlines()), err[-3000:]
     assert "deployment ready" not in err
+
+
+def _bound(port: int) -> bool:
+    """Another socket is bound to 127.0.0.1:port (a role's early bind, not listening yet: /proc/net/tcp does
+    not list it): a bind without SO_REUSEADDR conflicts with it."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_port_another_process_listens_on_first_ends_the_role_with_exit_1(tiny_qwen3, tmp_path, role):
+    """The role binds its port at start and listens once loaded; another process binding it too (both with
+    SO_REUSEADDR, which Linux allows while neither listens) and listening in between wins it. The role must
+    not run on serving nothing (uvloop's create_server does not raise): one line naming the port, exit 1."""
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    port = free_port()
+    argv = (["decode", "--port", str(port), "--prefill", f"127.0.0.1:{free_port()}"] if role == "decode" else
+            ["prefill", "--control-port", str(port), "--admin-port", str(free_port())])
+    proc = subprocess.Popen([sys.executable, "-m", "trnd", *argv, "--model", str(tiny_qwen3), "--secret-file",
+                             str(secret), "--threads", "1", "--kv-memory-gb", "0.05"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "JOURNAL_STREAM": "8:1"})
+    holder = socket.socket()
+    try:
+        deadline = time.monotonic() + 60
+        while not _bound(port):
+            assert proc.poll() is None and time.monotonic() < deadline, "the role never bound its port"
+            time.sleep(0.005)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        holder.close()
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    errors = [ln for ln in err.splitlines() if re.match(r"<[0-3]>", ln) and str(port) in ln]  # (decode: and
+    assert len(errors) == 1 and "another process" in errors[0], err[-3000:]  # its unreachable prefill peer)

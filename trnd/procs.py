@@ -52,6 +52,18 @@ def bind_port(host: str, port: int, field: str = "port") -> socket.socket:
     return sock
 
 
+def check_listening(server, where: str) -> None:
+    """Raise PortError unless every socket of an asyncio server made from a bind_port socket listens.
+    Two sockets with SO_REUSEADDR may both bind a port while neither listens; the one that listens
+    second fails, and uvloop's create_server(sock=...) does not raise then: it returns a server with no
+    socket, and the role would run on serving nothing (seen: a decode server whose port another role
+    took while it loaded)."""
+    socks = list(getattr(server, "sockets", None) or ()) or [None]
+    if any(s is None or not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) for s in socks):
+        raise PortError(f"{where}: another process started listening there while this role loaded "
+                        "(listen failed: address in use)", 1)
+
+
 _handed_out: set[int] = set()
 
 

@@ -198,6 +198,8 @@ class Lifecycle:
             await asyncio.sleep(0.02)
         warmed = warmup is None
         while not self._stop_event.is_set():
+            if task.done():  # lost its port (runtime.HTTPServer.startup) or died while the role waited
+                return self._http_died(task, http)
             if ready_fn is not None and not ready_fn():
                 self.status(f"waiting: {waiting() if waiting else 'not ready'}")
                 await self._wait_stop(0.2)

@@ -24,6 +24,14 @@ class HTTPServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         await super().serve(sockets=sockets or self.sockets)
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if sockets:  # bound at start: the listen may have lost the port (trnd.procs.check_listening)
+            from trnd.procs import check_listening
+
+            for server in self.servers:
+                check_listening(server, f"HTTP port {self.config.host}:{self.config.port}")
+
     def listening(self) -> list[str]:
         """host:port of every socket it listens on (what the role reports to a supervisor)."""
         from trnd.daemon.lifecycle import listening
