@@ -161,6 +161,27 @@ def test_short_prefill_chunk_matches_reference(build, prior, q_len, dtype):
     torch.testing.assert_close(got.float(), want, **tol(dtype))
 
 
+@pytest.mark.skipif(HOST_LEVEL < 3, reason=f"no avx512_bf16 here ({HOST.summary()}): no dpbf16 rows")
+@pytest.mark.parametrize("prior,q_len,rows", [(0, 300, True), (37, 512, True), (500, 524, True), (0, 1025, False),
+                                              (1000, 100, False)])
+def test_a_bf16_chunk_of_a_short_context_runs_as_dpbf16_rows_without_amx(prior, q_len, rows):
+    """Without AMX, a bf16 chunk longer than PREFILL_MAX_Q whose context is at most ROWS_MAX_CTX goes through
+    the decode kernel's dpbf16 rows (faster there than torch's flash kernel), a longer context to torch."""
+    hk, group, d, page = 2, 3, 64, 16
+    q, k_new, v_new, kv, seq = make_prefill_case(prior, q_len, hk * group, hk, d, page, dtype=torch.bfloat16,
+                                                 seed=q_len)
+    ops = kcpu.compiled("trnd_avx512", True, amx=False)
+    assert q_len > kcpu.PREFILL_MAX_Q and (prior + q_len <= kcpu.ROWS_MAX_CTX) == rows
+    got = ops.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5)
+    flash = attention.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5)  # torch's, in bf16
+    lib = ops.prefill_attention.__self__.lib
+    ctx = torch.arange(prior + 1, prior + q_len + 1)  # query i attends up to its own position
+    as_rows = lib.decode_attention(q, kv, 1, seq.pages[None].expand(q_len, -1), ctx, d ** -0.5, 0, True)
+    assert torch.equal(got, as_rows if rows else flash)  # the path it took
+    want = attention.prefill_attention(q.float(), k_new.float(), v_new.float(), kv.float(), 1, seq, page, d ** -0.5)
+    torch.testing.assert_close(got.float(), want, **tol(torch.bfloat16))
+
+
 AMX = pytest.mark.skipif("amx_bf16" not in HOST.flags or HOST_LEVEL < 3,
                          reason=f"no AMX tiles here ({HOST.summary()}): the chunk goes to torch's flash kernel")
 

@@ -29,6 +29,11 @@ MAX_HEAD = 512  # csrc/elementwise.cpp's MAX_HEAD (qk_norm_rotary)
 # to the AMX kernel where the CPU has AMX, else to torch's flash kernel, which tiles the queries (measured in
 # docs/RESULTS.md).
 PREFILL_MAX_Q = 8
+# Without AMX, a longer bf16 chunk whose whole context is at most this long also goes through the decode
+# kernel's dpbf16 rows: faster than torch's flash kernel there (AMD Zen 4, one layer: 512 queries, no prefix
+# 3.80 vs 6.17 ms; after 512 cached 10.3 vs 13.8; 128 after 512 1.99 vs 2.30), slower past it (512 after 2048
+# 31.1 vs 28.7), as each row reads its whole context while flash shares a block's K/V loads (docs/RESULTS.md).
+ROWS_MAX_CTX = 1024
 # The AMX prefill kernel copies the context's V into its tiles' order first (csrc/prefill_amx.cpp): contexts
 # whose copy would be larger go to torch's flash kernel.
 AMX_MAX_LAYOUT_BYTES = 64 * 2**20
@@ -150,13 +155,20 @@ class CompiledOps:
         return self.lib.decode_attention(q, kv, layer, meta.decode_pages, meta.decode_ctx, scale, 0,
                                          self.dpbf16 and kv.dtype == torch.bfloat16)
 
+    def takes_rows(self, kv: torch.Tensor, seq) -> bool:
+        """A chunk the decode kernel runs fastest as one row per query: a short one, or (dpbf16, bf16 pool)
+        one of a short context."""
+        return seq.q_len <= PREFILL_MAX_Q or (self.dpbf16 and kv.dtype == torch.bfloat16 and
+                                              seq.ctx_len <= ROWS_MAX_CTX)
+
     def prefill_attention(self, q, k_new, v_new, kv, layer, seq, page_size, scale):
-        """A chunk after its K/V are in the pages (the model writes before it attends): a short one as decode
-        rows (query i of the chunk attends the sequence's pages up to its own position), a longer one on AMX
-        tiles where the CPU has them, else torch's flash kernel."""
+        """A chunk after its K/V are in the pages (the model writes before it attends): a longer one on AMX
+        tiles where the CPU has them; a short one, or one of a short context on a bf16 pool (dpbf16), as
+        decode rows (query i of the chunk attends the sequence's pages up to its own position); else torch's
+        flash kernel."""
         if seq.q_len > PREFILL_MAX_Q and self.takes_amx(q, kv, seq):
             return self.lib.prefill_attention_amx(q, kv, layer, seq.pages, seq.ctx_len - seq.q_len, scale)
-        if seq.q_len > PREFILL_MAX_Q or not self.takes(q, kv):
+        if not self.takes(q, kv) or not self.takes_rows(kv, seq):
             return attention.prefill_attention(q, k_new, v_new, kv, layer, seq, page_size, scale)
         prior = seq.ctx_len - seq.q_len
         ctx = torch.arange(prior + 1, seq.ctx_len + 1, dtype=torch.long)
