@@ -80,13 +80,9 @@ class PrefillServer:
         """sock: the control port, bound at start (trnd.procs.bind_port)."""
         self.aio = asyncio.get_running_loop()
         self.loop.start()
-        from trnd.procs import check_listening
+        from trnd.procs import start_checked_server
 
-        host, port = sock.getsockname()[:2]  # read before the server takes the socket over
-        where = f"control port {host}:{port}"
-        server = await asyncio.start_server(self._on_conn, sock=sock)
-        check_listening(server, where)
-        return server
+        return await start_checked_server(self._on_conn, sock)
 
     async def _on_conn(self, reader, writer) -> None:
         """asyncio's server callback. A connection still open at shutdown is cancelled: that ends it, it is

@@ -30,7 +30,7 @@ class HTTPServer(uvicorn.Server):
             from trnd.procs import check_listening
 
             for server in self.servers:
-                check_listening(server, f"HTTP port {self.config.host}:{self.config.port}")
+                check_listening(server, f"{self.config.host}:{self.config.port}")
 
     def listening(self) -> list[str]:
         """host:port of every socket it listens on (what the role reports to a supervisor)."""

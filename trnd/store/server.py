@@ -105,13 +105,9 @@ class StoreServer:
     async def serve(self, sock) -> asyncio.base_events.Server:
         """sock: the control port, bound at start (trnd.procs.bind_port)."""
         self._expirer = asyncio.create_task(self._expire_forever())
-        from trnd.procs import check_listening
+        from trnd.procs import start_checked_server
 
-        host, port = sock.getsockname()[:2]  # read before the server takes the socket over
-        where = f"control port {host}:{port}"
-        server = await asyncio.start_server(self._on_conn, sock=sock)
-        check_listening(server, where)
-        return server
+        return await start_checked_server(self._on_conn, sock)
 
     async def _expire_forever(self) -> None:
         while True:
