@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 import subprocess
 import sys
 import time
@@ -9,6 +11,26 @@ import time
 import httpx
 
 from trnd.procs import free_port  # noqa: F401  (tests import it from here)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (dead for a test's purposes, only not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children(pid: int | None = None) -> set[int]:
+    """The live child processes of pid (default: this test process), of any of its threads."""
+    kids = set()
+    for path in glob.glob(f"/proc/{pid or os.getpid()}/task/*/children"):
+        try:
+            kids.update(int(t) for t in open(path).read().split())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return {k for k in kids if alive(k)}
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 120.0, path: str = "/ready") -> None:

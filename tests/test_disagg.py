@@ -3,8 +3,6 @@ equals the aggregated engine's, pools return to their baselines, faults and mism
 
 from __future__ import annotations
 
-import glob
-import os
 import signal
 import socket
 
@@ -16,7 +14,7 @@ import torch
 from trnd.engine.request import SamplingParams
 from trnd.llm import LLM
 
-from .procs import admin_state, free_port, start_role, stop, wait_for, wait_ready
+from .procs import admin_state, children, free_port, start_role, stop, wait_for, wait_ready
 
 
 @pytest.fixture(scope="module")
@@ -198,26 +196,13 @@ def test_mismatched_models_are_refused(tiny_qwen3, tiny_llama, secret):
         stop(dec), stop(pre)
 
 
-def _children() -> set[int]:
-    """Live processes whose parent is this test process (/proc: no psutil needed)."""
-    me, kids = os.getpid(), set()
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            fields = open(stat).read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            kids.add(int(stat.split("/")[2]))
-    return kids
-
-
 def test_a_deployment_whose_prefill_never_gets_ready_leaves_no_role_running(tiny_qwen3, secret):
     """A role that fails at start makes the deployment raise before a test's `try`: the roles it had
     started must be stopped there, or the decode role outlives the failed test."""
-    before = _children()
+    before = children()
     with pytest.raises(RuntimeError, match="before it was ready"):
         Deployment(tiny_qwen3, secret, prefill_extra=("--kv-cache-dtype", "fp9"))
-    assert _children() <= before
+    assert children() <= before
 
 
 def test_wrong_secret_never_handshakes(tiny_qwen3, secret, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from trnd.transfer import protocol as P
 
-from .procs import admin_state, free_port, start_role, stop, wait_for, wait_ready
+from .procs import admin_state, children, free_port, start_role, stop, wait_for, wait_ready
 from .test_disagg import Deployment, prompts
 
 SECRET = b"test-secret-0123456789"
@@ -226,10 +226,6 @@ def _listeners(pids: set[int]) -> list[str]:
     return [line.split()[3] for line in out if any(f"pid={p}," in line for p in pids)]
 
 
-def _children(pid: int) -> set[int]:
-    return {int(t) for t in open(f"/proc/{pid}/task/{pid}/children").read().split()}
-
-
 @pytest.mark.slow
 def test_local_deployment_auth_bind_reload_and_drain(tiny_qwen3, tmp_path):
     """`trnd serve` (prefill + decode): the prefill's admin port takes the deployment's key; every
@@ -256,7 +252,7 @@ def test_local_deployment_auth_bind_reload_and_drain(tiny_qwen3, tmp_path):
         assert httpx.get(f"http://127.0.0.1:{admin}/admin/state", timeout=10).status_code == 401
         assert httpx.post(f"http://127.0.0.1:{admin}/admin/evict", timeout=10).status_code == 401
         assert httpx.get(f"http://127.0.0.1:{admin}/admin/state", headers=old, timeout=10).status_code == 200
-        addrs = _listeners({proc.pid} | _children(proc.pid))
+        addrs = _listeners({proc.pid} | children(proc.pid))
         assert len(addrs) >= 4 and all(a.startswith("127.0.0.1:") for a in addrs), addrs
 
         cfg.write_text('api_key = "new-key"\ndrain_timeout_s = 240\n')

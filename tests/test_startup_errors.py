@@ -114,19 +114,16 @@ def test_every_startup_error_is_one_line_at_error_priority(tiny_qwen3, tmp_path,
         assert "in use" in errors[0], errors
 
 
-def test_a_port_taken_after_the_supervisors_check_stops_the_deployment_with_exit_1(tiny_qwen3):
-    """The supervisor tries every child's port before starting them; another process that takes one in
-    between is found by the child itself: one line at error priority naming the port, the supervisor
-    says which child stopped the deployment (a warning), exit 1 (a restart can fix it). Nothing of the
-    other process counts as the deployment's decode server, though it answers on its port."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trnd", "serve", "--model", str(tiny_qwen3), "--port", str(port),
-                             "--threads", "1", "--kv-memory-gb", "0.05"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "JOURNAL_STREAM": "8:1"})
+def _listen_beside(argv: list[str], port: int, when) -> str:
+    """Start `trnd *argv` (journald priorities on), wait until `when(proc)` holds, then bind and listen on
+    `port` as a role binds it (SO_REUSEADDR: whichever listens first keeps it). The role must end with exit
+    1 and no traceback; returns its stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "trnd", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "JOURNAL_STREAM": "8:1"})
     holder = socket.socket()
     try:
-        assert proc.stdout.readline().startswith("trnd: local deployment:")  # the children are starting
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the child binds: whichever is first
+        when(proc)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         holder.bind(("127.0.0.1", port))
         holder.listen()
         _, err = proc.communicate(timeout=180)
@@ -135,6 +132,21 @@ def test_a_port_taken_after_the_supervisors_check_stops_the_deployment_with_exit
         holder.close()
     assert proc.returncode == 1, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    return err
+
+
+def test_a_port_taken_after_the_supervisors_check_stops_the_deployment_with_exit_1(tiny_qwen3):
+    """The supervisor tries every child's port before starting them; another process that takes one in
+    between is found by the child itself: one line at error priority naming the port, the supervisor
+    says which child stopped the deployment (a warning), exit 1 (a restart can fix it). Nothing of the
+    other process counts as the deployment's decode server, though it answers on its port."""
+    port = free_port()
+
+    def children_starting(proc):
+        assert proc.stdout.readline().startswith("trnd: local deployment:")
+
+    err = _listen_beside(["serve", "--model", str(tiny_qwen3), "--port", str(port), "--threads", "1",
+                          "--kv-memory-gb", "0.05"], port, children_starting)
     errors = [ln for ln in err.splitlines() if re.match(r"<[0-3]>", ln)]
     assert len(errors) == 1 and str(port) in errors[0], err[-3000:]
     assert any(ln.startswith("<4>") and "decode exited with 1 before the deployment was ready" in ln
@@ -163,23 +175,14 @@ def test_a_port_another_process_listens_on_first_ends_the_role_with_exit_1(tiny_
     port = free_port()
     argv = (["decode", "--port", str(port), "--prefill", f"127.0.0.1:{free_port()}"] if role == "decode" else
             ["prefill", "--control-port", str(port), "--admin-port", str(free_port())])
-    proc = subprocess.Popen([sys.executable, "-m", "trnd", *argv, "--model", str(tiny_qwen3), "--secret-file",
-                             str(secret), "--threads", "1", "--kv-memory-gb", "0.05"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "JOURNAL_STREAM": "8:1"})
-    holder = socket.socket()
-    try:
+
+    def role_bound(proc):
         deadline = time.monotonic() + 60
         while not _bound(port):
             assert proc.poll() is None and time.monotonic() < deadline, "the role never bound its port"
             time.sleep(0.005)
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.bind(("127.0.0.1", port))
-        holder.listen()
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        holder.close()
-    assert proc.returncode == 1, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
+
+    err = _listen_beside([*argv, "--model", str(tiny_qwen3), "--secret-file", str(secret), "--threads", "1",
+                          "--kv-memory-gb", "0.05"], port, role_bound)
     errors = [ln for ln in err.splitlines() if re.match(r"<[0-3]>", ln) and str(port) in ln]  # (decode: and
     assert len(errors) == 1 and "another process" in errors[0], err[-3000:]  # its unreachable prefill peer)

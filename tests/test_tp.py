@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import msgspec
@@ -14,7 +13,7 @@ import pytest
 from trnd.engine.request import SamplingParams
 from trnd.llm import LLM
 
-from .procs import start_serve, wait_ready
+from .procs import alive, children, start_serve, wait_ready
 
 from .test_engine_vs_hf import hf_greedy, prompts_of
 
@@ -57,27 +56,12 @@ def test_tp2_matches_tp1_and_transformers(which, tiny_qwen3, tiny_llama, tiny_gq
         assert layout["kv_heads_per_rank"] == 1
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
-
-
 @pytest.mark.slow
 def test_killed_rank_takes_the_role_down_with_no_orphans(tiny_qwen3, tmp_path):
     proc, port = start_serve(tiny_qwen3, "--aggregated", "--tp", "2", "--threads", "1", "--kv-memory-gb", "0.05")
     try:
         wait_ready(port, proc)
-        workers = [p for p in _children(proc.pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        workers = [p for p in children(proc.pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
         assert workers, "no rank processes found"
         victim = max(workers)
         os.kill(victim, signal.SIGKILL)
@@ -86,9 +70,9 @@ def test_killed_rank_takes_the_role_down_with_no_orphans(tiny_qwen3, tmp_path):
         assert rc != 0
         assert "rank 1" in out and "died" in out
         deadline = time.time() + 5
-        while any(_alive(p) for p in workers) and time.time() < deadline:
+        while any(alive(p) for p in workers) and time.time() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in workers), "orphan rank processes left behind"
+        assert not any(alive(p) for p in workers), "orphan rank processes left behind"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -26,6 +26,18 @@ def _compute_flags(p) -> None:
     p.add_argument("--backend", choices=["cpu", "cuda", "neuron"], help="where the model runs (default cpu)")
 
 
+def _graph_flags(p) -> None:
+    """The compiled-graph paths, for `trnd serve` and the roles alike."""
+    p.add_argument("--static", action="store_const", const=True,
+                   help="pad every step to the decode point's buckets, one compiled graph each (engine/static.py)")
+    p.add_argument("--compile-decode", action="store_const", const=True,
+                   help="CPU: run decode-only steps as one inductor graph, compiled at start (~30 s; the weights "
+                        "held twice; engine/compiled.py)")
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="load every bucket's graph from a `trnd compile` output (implies --static); refuses a "
+                        "cache built for another model, point, dtype or torch")
+
+
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="run the OpenAI API: a local prefill + decode deployment (or --aggregated)",
                        description="Run trnd on this machine: a prefill and a decode process on loopback with the OpenAI API on --port (or everything in one process with --aggregated). Flags override "
@@ -40,14 +52,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--aggregated", action="store_const", const=True,
                    help="one process (API + engine); default: a local prefill + decode deployment")
     p.add_argument("--point", help="decode point of the local deployment (configs/points.toml; default 8k)")
-    p.add_argument("--static", action="store_const", const=True,
-                   help="pad every step to the decode point's buckets, one compiled graph each (engine/static.py)")
-    p.add_argument("--compile-decode", action="store_const", const=True,
-                   help="CPU: run decode-only steps as one inductor graph, compiled at start (~30 s; the weights "
-                        "held twice; engine/compiled.py)")
-    p.add_argument("--compile-cache", metavar="DIR",
-                   help="load every bucket's graph from a `trnd compile` output (implies --static); refuses a "
-                        "cache built for another model, point, dtype or torch")
+    _graph_flags(p)
     p.add_argument("--prefill", dest="num_prefill", type=int, metavar="N",
                    help="local deployment: N prefill servers (default 1); every decode server uses all of them")
     p.add_argument("--decode", dest="num_decode", type=int, metavar="M",
@@ -96,14 +101,7 @@ def _role_flags(p) -> None:
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False)
     p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
     p.add_argument("--store", action="append", metavar="HOST:PORT", help="L3: a remote KV store (repeatable)")
-    p.add_argument("--static", action="store_const", const=True,
-                   help="pad every step to the decode point's buckets, one compiled graph each (engine/static.py)")
-    p.add_argument("--compile-decode", action="store_const", const=True,
-                   help="CPU: run decode-only steps as one inductor graph, compiled at start (~30 s; the weights "
-                        "held twice; engine/compiled.py)")
-    p.add_argument("--compile-cache", metavar="DIR",
-                   help="load every bucket's graph from a `trnd compile` output (implies --static); refuses a "
-                        "cache built for another model, point, dtype or torch")
+    _graph_flags(p)
     p.add_argument("--core-lock", metavar="FILE",
                    help="roles on one node's cores: hold this file's lock per forward pass, taking turns "
                         "(the same FILE in each; engine/corelock.py)")

@@ -142,7 +142,7 @@ def note(profiles: dict, rate: int = 100) -> str:
 
 
 def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) -> str:
-    a = ctx.args
+    a, dtype = ctx.args, peer_dtype()
     concs = sorted({c for per in results.values() for c in per})
     t = [SECTION, "",
          f"Measured by `trnd bench serve-compare` on {facts['date']}: each server started in turn on a free loopback "
@@ -164,8 +164,8 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
             f"{facts['nice']}, so the other work on the shared cores took little from whichever server was measured."
             if facts["nice"] else ""),
          f"- Model: `small` preset ({info['model']}), ~100M parameters, Qwen3 architecture, random weights, bf16; "
-         f"computed in {peer_dtype()} by both sides (trnd at its default `--dtype auto`, which picks it for this "
-         f"CPU; vLLM `--dtype {peer_dtype()}`, its best on this CPU class).",
+         f"computed in {dtype} by both sides (trnd at its default `--dtype auto`, which picks it for this "
+         f"CPU; vLLM `--dtype {dtype}`, its best on this CPU class).",
          f"- Workload: random dataset, {a.input_len} input / {a.output_len} output tokens (range ratio 0), "
          f"{a.num_prompts} prompts per concurrency, ignore_eos, temperature 0, seed 0, {a.warmups} warm-up "
          "requests, `/v1/completions` streamed. Prefix caching off on both sides (the same prompts are resent).",
