@@ -1,5 +1,5 @@
-"""bf16 linears prepacked into oneDNN's layout (the eager CPU path) compute what F.linear does, and an
-engine with them generates what one without them does."""
+"""bf16 linears prepacked (csrc/linear.cpp's layout or oneDNN's, as layers._prepacked picks for this CPU)
+compute what F.linear does, and an engine with them generates what one without them does."""
 
 from __future__ import annotations
 

@@ -192,6 +192,25 @@ def compiled(name: str, dpbf16: bool = False, amx: bool = False) -> Ops:
                    prefill_attention=c.prefill_attention)
 
 
+def linear_wanted(info: CpuInfo) -> bool:
+    """csrc/linear.cpp runs the bf16 linears: the CPU has avx512_bf16 and no AMX (with AMX, oneDNN's prepacked
+    matmul runs prefill on tiles, 8x the dot products of dpbf16), the compiled kernels are on."""
+    return info.isa == "avx512_bf16" and "amx_bf16" not in info.flags and os.environ.get(ENV, "1").strip() != "0"
+
+
+@lru_cache(maxsize=1)
+def linear_lib():
+    """The AVX-512 build, whose `pack_linear`/`linear` run the CPU engine's bf16 linears, or None (oneDNN's
+    prepacked matmul or F.linear then: trnd/model/layers.py). Measured against oneDNN on AMD Zen 4, the model's
+    linears in one pass over 200 MB: 1.45x faster at batch 1, 1.2x at 16, equal at 512 (docs/RESULTS.md)."""
+    if not linear_wanted(cpu_info()):
+        return None
+    lib, why = load_library("trnd_avx512")
+    if lib is None:
+        log.info("cpu kernels: bf16 linears not compiled (%s); oneDNN runs them", why)
+    return lib
+
+
 @lru_cache(maxsize=1)
 def cpu_ops() -> Ops:
     """The CPU backend's table: the compiled kernels for this CPU where they load, else the torch ops."""

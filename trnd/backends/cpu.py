@@ -1,8 +1,9 @@
 """The default backend: the CPU. Always available; what CI runs.
 
 Every CPU fast path is chosen from what the running CPU supports (kernels/cpuinfo.py), never from
-what the build machine had: bf16 compute only where the CPU has bf16 dot products in hardware, oneDNN
-prepacking only where its bf16 reorder runs, the compiled kernels of kernels/cpu/ in the build for this
+what the build machine had: bf16 compute only where the CPU has bf16 dot products in hardware, bf16
+linears in our dpbf16 kernel's layout where the CPU has avx512_bf16 and no AMX, else oneDNN prepacking
+where its bf16 reorder runs, the compiled kernels of kernels/cpu/ in the build for this
 CPU's ISA where they are built (else the torch twins in kernels/; kernels.cpu.cpu_ops says which in one
 log line).
 """
@@ -10,6 +11,7 @@ log line).
 from functools import cached_property
 
 from kernels import Ops
+from kernels.cpu import linear_lib
 from kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack
 from trnd.backends.base import Backend
 
@@ -38,8 +40,12 @@ class CPUBackend(Backend):
 def cpu_paths(dtype: str, why: str) -> dict[str, str]:
     """The CPU fast paths this process takes, for the start-up log line, `trnd check cpu` and bench tables."""
     info = cpu_info()
-    prepack = ("oneDNN bf16 prepacked" if onednn_bf16_prepack() else "F.linear (no oneDNN bf16 reorder on this CPU)") \
-        if dtype == "bfloat16" else f"F.linear ({dtype})"
+    if dtype != "bfloat16":
+        prepack = f"F.linear ({dtype})"
+    elif linear_lib() is not None:
+        prepack = f"compiled {linear_lib().__name__} dpbf16 (packed at load)"
+    else:
+        prepack = "oneDNN bf16 prepacked" if onednn_bf16_prepack() else "F.linear (no oneDNN bf16 reorder on this CPU)"
     return {"cpu": info.model, "flags": " ".join(f for f in RELEVANT if f in info.flags) or "none", "isa": info.isa,
             "dtype": f"{dtype} ({why})", "linears": prepack, "attention": _attention_path()}
 

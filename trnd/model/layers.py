@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import linear_lib
 from kernels.cpuinfo import onednn_bf16_prepack
 from trnd.parallel import TPGroup
 
@@ -26,21 +27,36 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 def _can_prepack(w: torch.Tensor) -> bool:
-    """Capability, not presence: oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, so
-    on an AVX2-only CPU the plain F.linear path is taken (kernels/cpuinfo.py probes it once)."""
-    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and onednn_bf16_prepack()
+    """Capability, not presence: our dpbf16 linear needs avx512_bf16, oneDNN's bf16 reorder AVX-512 (BW/VL/DQ)
+    or AVX-NE-CONVERT, so on an AVX2-only CPU the plain F.linear path is taken (kernels/ probes both once)."""
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and (
+        (linear_lib() is not None and w.shape[-1] % 2 == 0) or onednn_bf16_prepack())
 
 
-def _prepacked(w: torch.Tensor) -> torch.Tensor:
-    """The weight reordered once into oneDNN's blocked layout. F.linear on bf16 CPU tensors reorders the
-    weight inside every call; prepacked, a decode step's gemv runs 2.2x faster (768x2048 at batch 1:
-    104 -> 44 us) with identical results, and prefill-sized batches are no slower. What inductor's
-    freezing does for compiled CPU models, done here for the eager path."""
+@dataclass(frozen=True)
+class PackedLinear:
+    """A weight in kernels/cpu/csrc/linear.cpp's layout (its columns padded to blocks of 64) and its width."""
+    data: torch.Tensor
+    n: int
+
+
+def _prepacked(w: torch.Tensor) -> torch.Tensor | PackedLinear:
+    """The weight reordered once into a matmul's layout: csrc/linear.cpp's where it runs (avx512_bf16, no AMX),
+    else oneDNN's blocked one. F.linear on bf16 CPU tensors reorders the weight inside every call; prepacked
+    by oneDNN, a decode step's gemv runs 2.2x faster (768x2048 at batch 1: 104 -> 44 us) with identical
+    results, and prefill-sized batches are no slower. What inductor's freezing does for compiled CPU models,
+    done here for the eager path."""
+    lib = linear_lib()
+    if lib is not None and w.shape[-1] % 2 == 0:
+        return PackedLinear(lib.pack_linear(w.detach()), w.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
+def _linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | PackedLinear | None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(packed, PackedLinear):
+        y = linear_lib().linear(x.reshape(-1, x.shape[-1]), packed.data, packed.n).view(*x.shape[:-1], packed.n)
+        return y if bias is None else y.add_(bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -61,10 +77,10 @@ class Linear(nn.Module):
             self.bias.sources = bias_sources
         self.reduce = reduce
         self.tp = tp
-        self.packed: torch.Tensor | None = None
+        self.packed: torch.Tensor | PackedLinear | None = None
 
     def prepack(self) -> bool:
-        """Replace the weight by its oneDNN-packed form (bf16 on CPU only); the plain weight is freed."""
+        """Replace the weight by its packed form (bf16 on CPU only, see _prepacked); the plain weight is freed."""
         if self.packed is not None or not _can_prepack(self.weight):
             return False
         self.packed = _prepacked(self.weight)
@@ -126,7 +142,7 @@ class LMHead(nn.Module):
         self.weight = _param(per, dim, dtype=dtype)
         self.weight.sources = [Source(name, 0, start, end)]
         self.tp = tp
-        self.packed: torch.Tensor | None = None
+        self.packed: torch.Tensor | PackedLinear | None = None
 
     prepack = Linear.prepack
 

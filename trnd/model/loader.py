@@ -44,7 +44,7 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
 
 def load_model(model_dir: str | Path, dtype: str | None = None, tp: TPGroup = TP1, backend: str = "cpu",
                prepack: bool = False):
-    """prepack: bf16 linears into oneDNN's layout (the eager CPU path; see layers._prepacked)."""
+    """prepack: bf16 linears into their matmul's layout (the eager CPU path; see layers._prepacked)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir, dtype)
     model = CausalLM(cfg, tp, get_backend(backend).ops)

@@ -1,0 +1,133 @@
+// y = x W^T for bf16 weights in a layout made for AVX-512 BF16: the CPU engine's linears where the CPU has
+// avx512_bf16 and no AMX (with AMX, oneDNN's prepacked matmul runs them on tiles). Torch reference: F.linear.
+//
+// Why: oneDNN's prepacked bf16 matmul streams a decode step's weights at 17-22 GB/s at batch 1 on AMD Zen 4,
+// against the 36.8 GB/s the cores can read, and a batch-1 step is little but that stream (docs/RESULTS.md,
+// "Linears without AMX").
+//
+// Layout (pack_linear, once at load): W[N, K] as blocks of 64 output columns, each block [K/2][64][2]: for a
+// pair of k, the block's 64 columns with each column's two weights side by side. A block is one contiguous
+// stream; a 64-byte load is 16 columns x 2 k, and one dpbf16 against the broadcast pair (x[k], x[k+1]) adds
+// both products into the 16 columns' fp32 sums: no horizontal sum anywhere, the output goes out 16 columns
+// at a time. A tile is R <= 6 rows of x by one block: 24 accumulators, 4 weight vectors and a broadcast of
+// the 32 registers, the block's stream read once per R rows. Threads split the blocks, each a contiguous
+// range of the packed weight. Columns past N in the last block are zero; K must be even.
+//
+// AVX-512 build only (build.py): the AVX2 build has no such op and its hosts keep F.linear.
+#if defined(__AVX512F__)
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "vec.h"
+
+namespace trnd {
+namespace {
+
+constexpr int64_t BLOCK = 64;  // output columns per block
+constexpr int NV = BLOCK / 16;  // accumulators per row of a tile
+constexpr int MAX_R = 6;  // rows per tile: 6 x 4 accumulators + 4 weights + a broadcast of 32 registers
+constexpr int64_t MAX_K = 1 << 16;
+
+template <int R>
+__attribute__((target("avx512bf16"))) void tile(const bf16* x, int64_t xs, int64_t K, const bf16* blk,
+                                                float* out /* [R][BLOCK] */) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    const bf16* w = blk + kp * 2 * BLOCK;
+    __m512bh wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * xs + 2 * kp, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, wv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * BLOCK + v * 16, acc[r][v]);
+}
+
+struct Job {
+  const bf16* x;
+  int64_t xs, K, N;
+  const bf16* packed;
+  bf16* y;
+};
+
+// Rows [m, m + R) of y for the columns of block b, rounded to bf16 (ties to even) as they are stored.
+template <int R>
+void rows_of(const Job& j, int64_t b, int64_t m, int64_t rows, float* acc) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_of<R - 1>(j, b, m, rows, acc);
+  }
+  tile<R>(j.x + m * j.xs, j.xs, j.K, j.packed + b * j.K * BLOCK, acc);
+  const int64_t col = b * BLOCK, n = std::min<int64_t>(BLOCK, j.N - col);
+  for (int r = 0; r < R; ++r) {
+    bf16* dst = j.y + (m + r) * j.N + col;
+    if (n == BLOCK) {
+      for (int v = 0; v < NV; ++v) vstore(dst + v * 16, vload(acc + r * BLOCK + v * 16));
+    } else {
+      for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<bf16>(acc[r * BLOCK + c]);
+    }
+  }
+}
+
+at::Tensor pack_linear(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "weight: want a bfloat16 [N, K], got ",
+              w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N > 0 && K % 2 == 0 && 0 < K && K <= MAX_K, "weight: K = ", K, " must be even, at most ", MAX_K);
+  const int64_t nb = (N + BLOCK - 1) / BLOCK;
+  // [nb, K/2, 64, 2] <- W[n, k]: zero columns up to whole blocks, then each k-pair's columns side by side
+  at::Tensor padded = at::zeros({nb * BLOCK, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({nb, BLOCK, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "x: want a bfloat16 [M, K] with unit stride in K, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == BLOCK && packed.size(3) == 2,
+              "packed: want pack_linear's [N/64, K/2, 64, 2] bfloat16, got ", packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), nb = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == K, "x has K = ", K, ", the packed weight ", packed.size(1) * 2);
+  TORCH_CHECK((nb - 1) * BLOCK < N && N <= nb * BLOCK, "N = ", N, " does not fit ", nb, " blocks of ", BLOCK);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const Job j{reinterpret_cast<const bf16*>(x.data_ptr()), x.stride(0), K, N,
+              reinterpret_cast<const bf16*>(packed.data_ptr()), reinterpret_cast<bf16*>(y.data_ptr())};
+#pragma omp parallel if (M * N * K >= (1 << 18))
+  {
+    alignas(64) float acc[MAX_R * BLOCK];
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t m = 0; m < M; m += MAX_R) rows_of<MAX_R>(j, b, m, std::min<int64_t>(MAX_R, M - m), acc);
+  }
+  return y;
+}
+
+}  // namespace
+}  // namespace trnd
+
+TORCH_LIBRARY_FRAGMENT(TRND_LIB, m) {
+  m.def("pack_linear(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(TRND_LIB, CPU, m) {
+  m.impl("pack_linear", &trnd::pack_linear);
+  m.impl("linear", &trnd::linear);
+}
+#endif
