@@ -104,3 +104,14 @@ def test_a_linear_with_bias_packs_and_adds_it():
     x = torch.randn(3, 64).bfloat16()
     torch.testing.assert_close(lin(x).float(), (exact(x, w) + b.double()).float(), atol=0.05, rtol=2.0**-7)
     assert lin(x[:, None].expand(3, 2, 64)).shape == (3, 2, 96)  # leading dims kept
+
+
+@pytest.mark.skipif(kcpu.linear_lib() is None, reason=f"the dpbf16 linear is not chosen here ({HOST.summary()})")
+def test_a_transposed_input_is_made_contiguous_first():
+    torch.manual_seed(3)
+    lin = Linear(64, 70, [Source("w")], torch.bfloat16, TP1)
+    lin.weight.data.normal_()
+    w = lin.weight.detach().clone()
+    assert lin.prepack()
+    x = torch.randn(64, 5).bfloat16().T  # [5, 64], stride (1, 5)
+    assert_rounded_once(lin(x), exact(x, w), 64)

@@ -5,6 +5,9 @@ where avx512_bf16 is, else AVX2 + FMA) and says in one log line what it uses, or
 torch ops (no build, a build for another torch, a CPU below AVX2, TRND_CPU_KERNELS=0). Each entry also
 falls back to its torch twin for inputs the kernel does not take (another dtype, device or head_dim), so
 the table is always complete.
+
+`linear_lib()` is the bf16 linears' kernel (csrc/linear.cpp), not an Ops entry: a linear owns its weight, packed
+into the kernel's layout at load (trnd/model/layers.py), so the choice is made once there.
 """
 
 from __future__ import annotations

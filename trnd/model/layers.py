@@ -55,7 +55,9 @@ def _prepacked(w: torch.Tensor) -> torch.Tensor | PackedLinear:
 def _linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | PackedLinear | None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(packed, PackedLinear):
-        y = linear_lib().linear(x.reshape(-1, x.shape[-1]), packed.data, packed.n).view(*x.shape[:-1], packed.n)
+        rows = x.reshape(-1, x.shape[-1])
+        y = linear_lib().linear(rows if rows.stride(-1) == 1 else rows.contiguous(), packed.data, packed.n)
+        y = y.view(*x.shape[:-1], packed.n)
         return y if bias is None else y.add_(bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
