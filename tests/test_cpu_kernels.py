@@ -161,13 +161,16 @@ def test_short_prefill_chunk_matches_reference(build, prior, q_len, dtype):
     torch.testing.assert_close(got.float(), want, **tol(dtype))
 
 
-@pytest.mark.skipif(HOST_LEVEL < 3, reason=f"no avx512_bf16 here ({HOST.summary()}): no dpbf16 rows")
+DPBF16 = pytest.mark.skipif(HOST_LEVEL < 3, reason=f"no avx512_bf16 here ({HOST.summary()}): no dpbf16 kernels")
+
+
+@DPBF16
 @pytest.mark.parametrize("prior,q_len,rows", [(0, 300, True), (37, 512, True), (500, 524, True), (0, 1025, False),
                                               (1000, 100, False)])
-def test_a_bf16_chunk_of_a_short_context_runs_as_dpbf16_rows_without_amx(prior, q_len, rows):
-    """Without AMX, a bf16 chunk longer than PREFILL_MAX_Q whose context is at most ROWS_MAX_CTX goes through
-    the decode kernel's dpbf16 rows (faster there than torch's flash kernel), a longer context to torch."""
-    hk, group, d, page = 2, 3, 64, 16
+def test_a_bf16_chunk_the_tiles_do_not_take_runs_as_dpbf16_rows_for_a_short_context(prior, q_len, rows):
+    """Without AMX, a bf16 chunk longer than PREFILL_MAX_Q that the tiles kernel does not take (head_dim 32) goes
+    through the decode kernel's dpbf16 rows if its context is at most ROWS_MAX_CTX, a longer one to torch."""
+    hk, group, d, page = 2, 3, 32, 16
     q, k_new, v_new, kv, seq = make_prefill_case(prior, q_len, hk * group, hk, d, page, dtype=torch.bfloat16,
                                                  seed=q_len)
     ops = kcpu.compiled("trnd_avx512", True, amx=False)
@@ -180,6 +183,43 @@ def test_a_bf16_chunk_of_a_short_context_runs_as_dpbf16_rows_without_amx(prior, 
     assert torch.equal(got, as_rows if rows else flash)  # the path it took
     want = attention.prefill_attention(q.float(), k_new.float(), v_new.float(), kv.float(), 1, seq, page, d ** -0.5)
     torch.testing.assert_close(got.float(), want, **tol(torch.bfloat16))
+
+
+@DPBF16
+@pytest.mark.parametrize("prior,q_len,group,page,d", [
+    (0, 9, 3, 16, 64), (0, 37, 1, 16, 128), (0, 300, 4, 16, 64), (37, 64, 3, 16, 64), (100, 200, 2, 64, 128),
+    (250, 130, 8, 128, 64), (1000, 17, 2, 16, 64), (5, 512, 3, 16, 64), (1500, 70, 2, 16, 64), (63, 65, 1, 64, 64)])
+def test_prefill_attention_on_dpbf16_tiles_matches_reference(prior, q_len, group, page, d):
+    """Without AMX, chunks longer than PREFILL_MAX_Q on the dpbf16 tiles kernel (csrc/prefill_dpbf16.cpp): with
+    and without a cached prefix, contexts ending mid-page and mid-block of 64 keys, query blocks of 6 ending
+    mid-chunk, GQA 1-8, pages 16-128, head_dim 64 and 128, contexts past ROWS_MAX_CTX."""
+    hk = 2
+    q, k_new, v_new, kv, seq = make_prefill_case(prior, q_len, hk * group, hk, d, page, dtype=torch.bfloat16,
+                                                 seed=prior + q_len)
+    ops = kcpu.compiled("trnd_avx512", True, amx=False)
+    assert q_len > kcpu.PREFILL_MAX_Q
+    got = ops.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5)
+    lib = ops.prefill_attention.__self__.lib
+    assert torch.equal(got, lib.prefill_attention_dpbf16(q, kv, 1, seq.pages, prior, d ** -0.5))  # the kernel ran
+    want = attention.prefill_attention(q.float(), k_new.float(), v_new.float(), kv.float(), 1, seq, page, d ** -0.5)
+    torch.testing.assert_close(got.float(), want, **tol(torch.bfloat16))
+    flash = attention.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5)  # torch's, in bf16
+    assert (got.float() - want).abs().max() <= 2 * (flash.float() - want).abs().max() + 2 ** -8
+
+
+@DPBF16
+def test_prefill_attention_on_dpbf16_tiles_refuses_bad_inputs():
+    lib = kcpu.load_library("trnd_avx512")[0]
+    q, _, _, kv, seq = make_prefill_case(10, 20, 4, 2, 64, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="pages"):
+        lib.prefill_attention_dpbf16(q, kv, 1, seq.pages[:1], 10, 0.125)
+    with pytest.raises(RuntimeError, match="layer 5"):
+        lib.prefill_attention_dpbf16(q, kv, 5, seq.pages, 10, 0.125)
+    with pytest.raises(RuntimeError, match="kv: want a contiguous bf16 pool"):
+        lib.prefill_attention_dpbf16(q.float(), kv.float(), 1, seq.pages, 10, 0.125)
+    q32, _, _, kv32, seq32 = make_prefill_case(10, 20, 4, 2, 32, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head_dim 32: want a multiple of 64"):
+        lib.prefill_attention_dpbf16(q32, kv32, 1, seq32.pages, 10, 0.125)
 
 
 AMX = pytest.mark.skipif("amx_bf16" not in HOST.flags or HOST_LEVEL < 3,

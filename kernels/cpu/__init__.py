@@ -29,16 +29,16 @@ MAX_HEAD_DIM = MAX_PAGE = 256  # csrc/attention.cpp's MAX_D, MAX_P
 MAX_ROW = 16384  # csrc/elementwise.cpp's MAX_ROW
 MAX_HEAD = 512  # csrc/elementwise.cpp's MAX_HEAD (qk_norm_rotary)
 # Chunks up to this many query tokens go through the decode kernel (one row per query token); longer ones
-# to the AMX kernel where the CPU has AMX, else to torch's flash kernel, which tiles the queries (measured in
-# docs/RESULTS.md).
+# to the AMX kernel where the CPU has AMX, else to the dpbf16 tiles kernel where the CPU has avx512_bf16, else
+# to torch's flash kernel, which tiles the queries (measured in docs/RESULTS.md).
 PREFILL_MAX_Q = 8
-# Without AMX, a longer bf16 chunk whose whole context is at most this long also goes through the decode
-# kernel's dpbf16 rows: faster than torch's flash kernel there (AMD Zen 4, one layer: 512 queries, no prefix
-# 3.80 vs 6.17 ms; after 512 cached 10.3 vs 13.8; 128 after 512 1.99 vs 2.30), slower past it (512 after 2048
-# 31.1 vs 28.7), as each row reads its whole context while flash shares a block's K/V loads (docs/RESULTS.md).
+# A bf16 chunk the tiles kernel does not take (head_dim not a multiple of 64) whose whole context is at most
+# this long also goes through the decode kernel's dpbf16 rows: faster than torch's flash kernel there (AMD
+# Zen 4, one layer: 512 queries, no prefix 3.80 vs 6.17 ms; after 512 cached 10.3 vs 13.8), slower past it (512
+# after 2048 31.1 vs 28.7), as each row reads its whole context while flash shares a block's K/V loads.
 ROWS_MAX_CTX = 1024
-# The AMX prefill kernel copies the context's V into its tiles' order first (csrc/prefill_amx.cpp): contexts
-# whose copy would be larger go to torch's flash kernel.
+# The AMX and the dpbf16 tiles prefill kernels copy the context's K/V into their operands' order first
+# (csrc/prefill_amx.cpp, csrc/prefill_dpbf16.cpp): contexts whose copy would be larger go to torch's flash kernel.
 AMX_MAX_LAYOUT_BYTES = 64 * 2**20
 
 
@@ -91,6 +91,9 @@ def _register_fakes(name: str) -> None:
         lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)))
     torch.library.register_fake(f"{name}::prefill_attention_amx")(
         lambda q, kv, layer, pages, prior, scale: q.new_empty(q.shape))
+    if name == "trnd_avx512":  # the AVX-512 build's own ops
+        torch.library.register_fake(f"{name}::prefill_attention_dpbf16")(
+            lambda q, kv, layer, pages, prior, scale: q.new_empty(q.shape))
     torch.library.register_fake(f"{name}::qk_norm_rotary")(
         lambda q, k, qw, kw, eps, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
 
@@ -158,6 +161,14 @@ class CompiledOps:
         return self.lib.decode_attention(q, kv, layer, meta.decode_pages, meta.decode_ctx, scale, 0,
                                          self.dpbf16 and kv.dtype == torch.bfloat16)
 
+    def takes_tiles(self, q: torch.Tensor, kv: torch.Tensor, seq) -> bool:
+        """The dpbf16 tiles prefill kernel takes it: avx512_bf16 without AMX, a bf16 pool, head_dim a multiple
+        of 64, a context whose K and V copies fit."""
+        if not (self.dpbf16 and not self.amx and kv.dtype == torch.bfloat16 and self.takes(q, kv)):
+            return False
+        d = kv.shape[5]
+        return d % 64 == 0 and 4 * seq.ctx_len * kv.shape[3] * d <= AMX_MAX_LAYOUT_BYTES
+
     def takes_rows(self, kv: torch.Tensor, seq) -> bool:
         """A chunk the decode kernel runs fastest as one row per query: a short one, or (dpbf16, bf16 pool)
         one of a short context."""
@@ -166,11 +177,13 @@ class CompiledOps:
 
     def prefill_attention(self, q, k_new, v_new, kv, layer, seq, page_size, scale):
         """A chunk after its K/V are in the pages (the model writes before it attends): a longer one on AMX
-        tiles where the CPU has them; a short one, or one of a short context on a bf16 pool (dpbf16), as
-        decode rows (query i of the chunk attends the sequence's pages up to its own position); else torch's
-        flash kernel."""
+        tiles where the CPU has them, else on dpbf16 tiles where it has avx512_bf16; a short one, or one of a
+        short context on a bf16 pool (dpbf16), as decode rows (query i of the chunk attends the sequence's
+        pages up to its own position); else torch's flash kernel."""
         if seq.q_len > PREFILL_MAX_Q and self.takes_amx(q, kv, seq):
             return self.lib.prefill_attention_amx(q, kv, layer, seq.pages, seq.ctx_len - seq.q_len, scale)
+        if seq.q_len > PREFILL_MAX_Q and self.takes_tiles(q, kv, seq):
+            return self.lib.prefill_attention_dpbf16(q, kv, layer, seq.pages, seq.ctx_len - seq.q_len, scale)
         if not self.takes(q, kv) or not self.takes_rows(kv, seq):
             return attention.prefill_attention(q, k_new, v_new, kv, layer, seq, page_size, scale)
         prior = seq.ctx_len - seq.q_len
@@ -204,8 +217,9 @@ def linear_wanted(info: CpuInfo) -> bool:
 @lru_cache(maxsize=1)
 def linear_lib():
     """The AVX-512 build, whose `pack_linear`/`linear` run the CPU engine's bf16 linears, or None (oneDNN's
-    prepacked matmul or F.linear then: trnd/model/layers.py). Measured against oneDNN on AMD Zen 4, the model's
-    linears in one pass over 200 MB: 1.45x faster at batch 1, 1.2x at 16, equal at 512 (docs/RESULTS.md)."""
+    prepacked matmul or F.linear then: trnd/model/layers.py). Against oneDNN on AMD Zen 4, the model's linears
+    in one pass over 200 MB (kernels.cpu.bench_linear): 1.75x faster at 1 row, 1.2x at 16, equal at 512; the
+    batch-1 decode step 1.41x (docs/RESULTS.md, "Linears without AMX")."""
     if not linear_wanted(cpu_info()):
         return None
     lib, why = load_library("trnd_avx512")

@@ -97,6 +97,11 @@ def main(argv=None) -> None:
                     o.dpbf16 and dt == torch.bfloat16), a.iters) for _, o in _raw(builds)]
                 print(f"| prefill (rows) | {dname} | {n} q | {ctx} prefix | {ref:.3f} | "
                       + " | ".join(f"{g:.3f}" for g in got) + f" | {ref / min(got):.1f} |")
+                tiles = [o for _, o in _raw(builds) if o.dpbf16 and not o.amx]
+                if tiles and dt == torch.bfloat16 and d % 64 == 0:  # the dpbf16 tiles kernel (no AMX), one build
+                    t = _time(lambda: tiles[0].lib.prefill_attention_dpbf16(q, kv, 1, seq.pages, ctx, scale), a.iters)
+                    print(f"| prefill (dpbf16 tiles) | {dname} | {n} q | {ctx} prefix | {ref:.3f} | {t:.3f} | "
+                          f"{ref / t:.1f} |")
                 amx = [o for _, o in _raw(builds) if o.amx]
                 if amx and dt == torch.bfloat16:  # the chunk on AMX tiles: one column, the kernel has one build
                     t = _time(lambda: amx[0].lib.prefill_attention_amx(q, kv, 1, seq.pages, ctx, scale), a.iters)

@@ -28,7 +28,7 @@ VARIANTS = {
     "trnd_avx2": ["-mavx2", "-mfma", "-mf16c"],
     "trnd_avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
-SOURCES = ("attention.cpp", "elementwise.cpp", "linear.cpp", "prefill_amx.cpp")
+SOURCES = ("attention.cpp", "elementwise.cpp", "linear.cpp", "prefill_amx.cpp", "prefill_dpbf16.cpp")
 COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # no FMA not written as one
 
 

@@ -9,9 +9,9 @@
 // pair of k, the block's 64 columns with each column's two weights side by side. A block is one contiguous
 // stream; a 64-byte load is 16 columns x 2 k, and one dpbf16 against the broadcast pair (x[k], x[k+1]) adds
 // both products into the 16 columns' fp32 sums: no horizontal sum anywhere, the output goes out 16 columns
-// at a time. A tile is R <= 6 rows of x by one block: 24 accumulators, 4 weight vectors and a broadcast of
-// the 32 registers, the block's stream read once per R rows. Threads split the blocks, each a contiguous
-// range of the packed weight. Columns past N in the last block are zero; K must be even.
+// at a time. A tile (dpbf16_tile.h) is R <= 6 rows of x by one block, the block's stream read once per R
+// rows. Threads split the blocks, each a contiguous range of the packed weight. Columns past N in the last
+// block are zero; K must be even.
 //
 // AVX-512 build only (build.py): the AVX2 build has no such op and its hosts keep F.linear.
 #if defined(__AVX512F__)
@@ -22,41 +22,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dpbf16_tile.h"
 #include "vec.h"
 
 namespace trnd {
 namespace {
 
-constexpr int64_t BLOCK = 64;  // output columns per block
-constexpr int NV = BLOCK / 16;  // accumulators per row of a tile
-constexpr int MAX_R = 6;  // rows per tile: 6 x 4 accumulators + 4 weights + a broadcast of 32 registers
+constexpr int64_t BLOCK = TILE_COLS;  // output columns per block (dpbf16_tile.h)
+constexpr int NV = BLOCK / 16;
+constexpr int MAX_R = TILE_MAX_R;
 constexpr int64_t MAX_K = 1 << 16;
-
-template <int R>
-__attribute__((target("avx512bf16"))) void tile(const bf16* x, int64_t xs, int64_t K, const bf16* blk,
-                                                float* out /* [R][BLOCK] */) {
-  __m512 acc[R][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < K / 2; ++kp) {
-    const bf16* w = blk + kp * 2 * BLOCK;
-    __m512bh wv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * xs + 2 * kp, 4);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, wv[v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * BLOCK + v * 16, acc[r][v]);
-}
 
 struct Job {
   const bf16* x;
@@ -71,7 +46,7 @@ void rows_of(const Job& j, int64_t b, int64_t m, int64_t rows, float* acc) {
   if constexpr (R > 1) {
     if (rows < R) return rows_of<R - 1>(j, b, m, rows, acc);
   }
-  tile<R>(j.x + m * j.xs, j.xs, j.K, j.packed + b * j.K * BLOCK, acc);
+  dpbf16_tile<R>(j.x + m * j.xs, j.xs, j.K, j.packed + b * j.K * BLOCK, acc);
   const int64_t col = b * BLOCK, n = std::min<int64_t>(BLOCK, j.N - col);
   for (int r = 0; r < R; ++r) {
     bf16* dst = j.y + (m + r) * j.N + col;

@@ -1,0 +1,48 @@
+// The AVX-512 BF16 tile both csrc/linear.cpp and csrc/prefill_dpbf16.cpp multiply with: R <= 6 rows of a bf16
+// x against one block of a "k-pair" packed operand, [K/2][64][2] (for a pair of k, 64 columns with each
+// column's two values side by side). One 64-byte load is 16 columns x 2 k; one dpbf16 against the broadcast
+// pair (x[k], x[k+1]) adds both products into 16 column sums, so no horizontal sum is needed. 6 rows x 4
+// vectors = 24 accumulators, + 4 operand vectors + a broadcast of the 32 registers. Out: fp32 [R][64].
+#pragma once
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "vec.h"
+
+namespace trnd {
+
+constexpr int64_t TILE_COLS = 64;
+constexpr int TILE_MAX_R = 6;
+
+template <int R>
+__attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int64_t xs, int64_t K, const bf16* blk,
+                                                              float* out) {
+  constexpr int NV = TILE_COLS / 16;
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    const bf16* w = blk + kp * 2 * TILE_COLS;
+    __m512bh wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * xs + 2 * kp, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, wv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * TILE_COLS + v * 16, acc[r][v]);
+}
+
+}  // namespace trnd
+#endif

@@ -1,0 +1,181 @@
+// Prefill attention with AVX-512 BF16 dot products, for CPUs without AMX (AMD Zen 4): one chunk's queries
+// against its sequence's pages, causal (the cached prefix and the chunk itself: the model writes the chunk's
+// K/V first). Torch reference: kernels/attention.py prefill_attention (the test oracle).
+//
+// Why: one row per query (the decode kernel, what short contexts took) reads the whole context per query, and
+// torch's flash kernel runs bf16 at ~64 GFLOP/s on Zen 4. Here both products are matmuls on dpbf16_tile.h:
+//   S = Q K^T: the tile's x is R = 6 queries of one head, its operand the context's K laid out once per call
+//     in k-pair order over head_dim ([L/64][D/2][64 keys][2]): 64 keys' scores a tile;
+//   O += P V: x is the 6 rows of probabilities rounded to bf16 (as torch's CPU flash kernel rounds them), the
+//     operand V laid out in k-pair order over keys ([L/64][D/64][32 key pairs][64 d][2]).
+// Flash-style: per (query head, block of 6 queries) the keys go 64 at a time up to the block's last query, with
+// an online softmax in fp32 (O, max and sum per row, O rescaled per key block). The G query heads of a KV head
+// share its laid-out K and V (in cache). head_dim a multiple of 64.
+//
+// AVX-512 build only; used where kernels/cpuinfo.py found avx512_bf16 and no AMX (kernels/cpu/__init__.py).
+#if defined(__AVX512F__)
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "dpbf16_tile.h"
+#include "vec.h"
+
+namespace trnd {
+namespace {
+
+constexpr int64_t KB = TILE_COLS;  // keys per block
+constexpr int QR = TILE_MAX_R;     // queries per block
+constexpr int64_t MAX_D = 256;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+struct Ctx {  // one call's shared state
+  const bf16* q;
+  int64_t qs0, qs1, G, D, prior, L, Lp;
+  const bf16* kt;  // [hk][Lp/64][D/2][64][2]
+  const bf16* vp;  // [hk][Lp/64][D/64][32][64][2]
+  float scale;
+  bf16* out;
+  int64_t os0, os1;
+};
+
+// K and V of KV head h, from its pages into the two operand layouts (keys past L stay zero: the vectors are
+// value-initialized).
+void lay_out(const bf16* pool, const int64_t* table, int64_t ts, int64_t page_stride, int64_t layer_off, int64_t hk,
+             int64_t P, int64_t h, int64_t L, int64_t Lp, int64_t D, bf16* kt, bf16* vp) {
+  for (int64_t j = 0; j < L; ++j) {
+    const bf16* k = pool + table[(j / P) * ts] * page_stride + layer_off + (h * P + j % P) * D;
+    const bf16* v = k + hk * P * D;
+    const int64_t b = j / KB, c = j % KB;
+    bf16* kb = kt + b * KB * D;  // [D/2][64][2]
+    for (int64_t d = 0; d < D; ++d) kb[(d / 2) * 2 * KB + c * 2 + d % 2] = k[d];
+    bf16* vb = vp + b * KB * D;  // [D/64][32][64][2]
+    for (int64_t d = 0; d < D; ++d) vb[(d / 64) * KB * 64 + (c / 2) * 128 + (d % 64) * 2 + c % 2] = v[d];
+  }
+}
+
+template <int R>
+void run_block(const Ctx& c, int64_t hq, int64_t t0) {
+  const int64_t h = hq / c.G, D = c.D;
+  const bf16* x = c.q + t0 * c.qs0 + hq * c.qs1;
+  const bf16* kt = c.kt + h * c.Lp * D;
+  const bf16* vp = c.vp + h * c.Lp * D;
+  alignas(64) float s[R * KB];
+  alignas(64) float pv[R * KB];
+  alignas(64) bf16 p[R * KB];
+  alignas(64) float o[R * MAX_D];
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) m[r] = NEG_INF, l[r] = 0.0f;
+  std::fill(o, o + R * D, 0.0f);
+  const int64_t last = c.prior + t0 + R - 1;  // the block's last query's position: its keys are [0, last]
+  for (int64_t b = 0; b * KB <= last; ++b) {
+    dpbf16_tile<R>(x, c.qs0, D, kt + b * KB * D, s);
+    for (int r = 0; r < R; ++r) {
+      const int64_t limit = c.prior + t0 + r - b * KB;  // keys [0, limit] of this block are visible to row r
+      float* sr = s + r * KB;
+      vf mx = vset(NEG_INF);
+      for (int64_t j = 0; j < KB; j += 16) {
+        vf v = vmul(vload(sr + j), vset(c.scale));
+        if (j + 15 > limit) {
+          const int64_t n = limit < j ? 0 : std::min<int64_t>(16, limit - j + 1);
+          const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+          v = _mm512_mask_blend_ps(keep, vset(NEG_INF), v);
+        }
+        vstore(sr + j, v);
+        mx = vmax(mx, v);
+      }
+      const float mnew = std::max(m[r], vhmax(mx));
+      const float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - mnew);
+      vf sum = vzero();
+      for (int64_t j = 0; j < KB; j += 16) {
+        const vf v = vload(sr + j);
+        const __mmask16 live = _mm512_cmp_ps_mask(v, vset(NEG_INF), _CMP_NEQ_OQ);
+        vf e = _mm512_maskz_mov_ps(live, vexp(vsub(v, vset(mnew))));
+        e = vround_bf16(e);  // P as the PV product sees it: the sum matches what is multiplied
+        sum = vadd(sum, e);
+        vstore(p + r * KB + j, e);
+      }
+      l[r] = l[r] * alpha + vsum(sum);
+      m[r] = mnew;
+      for (int64_t d = 0; d < D; d += 16) vstore(o + r * D + d, vmul(vload(o + r * D + d), vset(alpha)));
+    }
+    for (int64_t db = 0; db < D / 64; ++db) {
+      dpbf16_tile<R>(p, KB, KB, vp + b * KB * D + db * KB * 64, pv);
+      for (int r = 0; r < R; ++r)
+        for (int64_t d = 0; d < 64; d += 16) {
+          float* od = o + r * D + db * 64 + d;
+          vstore(od, vadd(vload(od), vload(pv + r * KB + d)));
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    bf16* dst = c.out + (t0 + r) * c.os0 + hq * c.os1;
+    const vf inv = vset(1.0f / l[r]);
+    for (int64_t d = 0; d < D; d += 16) vstore(dst + d, vmul(vload(o + r * D + d), inv));
+  }
+}
+
+template <int R>
+void rows_of(const Ctx& c, int64_t hq, int64_t t0, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_of<R - 1>(c, hq, t0, rows);
+  }
+  run_block<R>(c, hq, t0);
+}
+
+at::Tensor prefill_attention_dpbf16(const at::Tensor& q_, const at::Tensor& kv, int64_t layer, const at::Tensor& pages,
+                                    int64_t prior, double scale) {
+  TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.scalar_type() == at::kBFloat16,
+              "kv: want a contiguous bf16 pool [pages, layers, 2, kv_heads, page_size, head_dim]");
+  TORCH_CHECK(0 <= layer && layer < kv.size(1), "layer ", layer, " outside the pool's ", kv.size(1), " layers");
+  const at::Tensor q = q_.stride(2) == 1 ? q_ : q_.contiguous();
+  const int64_t T = q.size(0), hq = q.size(1), D = q.size(2), hk = kv.size(3), P = kv.size(4);
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && D == kv.size(5),
+              "q: want bf16 [T, Hq, ", kv.size(5), "], got ", q.sizes());
+  TORCH_CHECK(D % 64 == 0 && D <= MAX_D, "head_dim ", D, ": want a multiple of 64, <= ", MAX_D);
+  TORCH_CHECK(hq % hk == 0, hq, " query heads are not a multiple of ", hk, " KV heads");
+  TORCH_CHECK(prior >= 0 && T >= 1, "prior ", prior, ", T ", T);
+  const int64_t L = prior + T;
+  TORCH_CHECK(pages.scalar_type() == at::kLong && pages.dim() == 1 && pages.size(0) * P >= L,
+              "pages: want int64 [>= ", (L + P - 1) / P, "] for ", L, " tokens, got ", pages.sizes());
+  const int64_t* table = pages.data_ptr<int64_t>();
+  const int64_t ts = pages.stride(0);
+  for (int64_t i = 0; i * P < L; ++i)
+    TORCH_CHECK(0 <= table[i * ts] && table[i * ts] < kv.size(0), "pages[", i, "] = ", table[i * ts],
+                ": outside the pool's ", kv.size(0), " pages");
+  const int64_t Lp = (L + KB - 1) / KB * KB;
+  std::vector<bf16> kt(hk * Lp * D), vp(hk * Lp * D);
+  const bf16* pool = static_cast<const bf16*>(kv.data_ptr());
+  const int64_t page_stride = kv.stride(0), layer_off = layer * kv.stride(1);
+#pragma omp parallel for schedule(static)
+  for (int64_t h = 0; h < hk; ++h)
+    lay_out(pool, table, ts, page_stride, layer_off, hk, P, h, L, Lp, D, kt.data() + h * Lp * D,
+            vp.data() + h * Lp * D);
+  auto out = at::empty({T, hq, D}, q.options());
+  const Ctx c{static_cast<const bf16*>(q.data_ptr()), q.stride(0), q.stride(1), hq / hk, D, prior, L, Lp, kt.data(),
+              vp.data(), static_cast<float>(scale), static_cast<bf16*>(out.data_ptr()), out.stride(0), out.stride(1)};
+  const int64_t nb = (T + QR - 1) / QR;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t it = 0; it < nb * hq; ++it) {
+    const int64_t b = nb - 1 - it / hq, h = it % hq;  // the longest blocks (last queries) first
+    rows_of<QR>(c, h, b * QR, std::min<int64_t>(QR, T - b * QR));
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace trnd
+
+TORCH_LIBRARY_FRAGMENT(TRND_LIB, m) {
+  m.def("prefill_attention_dpbf16(Tensor q, Tensor kv, int layer, Tensor pages, int prior, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(TRND_LIB, CPU, m) {
+  m.impl("prefill_attention_dpbf16", &trnd::prefill_attention_dpbf16);
+}
+#endif
