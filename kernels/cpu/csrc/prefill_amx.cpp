@@ -23,6 +23,8 @@
 #include <limits>
 #include <vector>
 
+#include "prefill_checks.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -261,24 +263,11 @@ at::Tensor prefill_attention_amx(const at::Tensor& q_, const at::Tensor& kv, int
   TORCH_CHECK(false, "prefill_attention_amx needs the AVX-512 build");
 #else
   TORCH_CHECK(amx_permitted(), "prefill_attention_amx: the kernel was refused the AMX tile state");
-  TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.scalar_type() == at::kBFloat16,
-              "kv: want a contiguous bf16 pool [pages, layers, 2, kv_heads, page_size, head_dim]");
-  TORCH_CHECK(0 <= layer && layer < kv.size(1), "layer ", layer, " outside the pool's ", kv.size(1), " layers");
+  check_prefill(q_, kv, layer, pages, prior, 32, MAX_D);
   const at::Tensor q = q_.contiguous();
-  const int64_t T = q.size(0), hq = q.size(1), D = q.size(2), hk = kv.size(3), P = kv.size(4);
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && D == kv.size(5),
-              "q: want bf16 [T, Hq, ", kv.size(5), "], got ", q.sizes());
-  TORCH_CHECK(D % 32 == 0 && D <= MAX_D, "head_dim ", D, ": want a multiple of 32, <= ", MAX_D);
-  TORCH_CHECK(hq % hk == 0, hq, " query heads are not a multiple of ", hk, " KV heads");
-  TORCH_CHECK(prior >= 0 && T >= 1, "prior ", prior, ", T ", T);
-  const int64_t L = prior + T;
-  TORCH_CHECK(pages.scalar_type() == at::kLong && pages.dim() == 1 && pages.size(0) * P >= L,
-              "pages: want int64 [>= ", (L + P - 1) / P, "] for ", L, " tokens, got ", pages.sizes());
+  const int64_t T = q.size(0), hq = q.size(1), D = q.size(2), hk = kv.size(3), P = kv.size(4), L = prior + T;
   const int64_t* table = pages.data_ptr<int64_t>();
   const int64_t ts = pages.stride(0);
-  for (int64_t i = 0; i * P < L; ++i)
-    TORCH_CHECK(0 <= table[i * ts] && table[i * ts] < kv.size(0), "pages[", i, "] = ", table[i * ts],
-                ": outside the pool's ", kv.size(0), " pages");
   TORCH_CHECK(P % 16 == 0, "page_size ", P, ": want a multiple of 16 (the tiles take 16 keys of a page)");
   const int64_t Lp = (L + KB - 1) / KB * KB;
   std::vector<uint16_t> vt(hk * Lp * D);

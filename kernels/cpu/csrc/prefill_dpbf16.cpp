@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "dpbf16_tile.h"
+#include "prefill_checks.h"
 #include "vec.h"
 
 namespace trnd {
@@ -130,24 +131,11 @@ void rows_of(const Ctx& c, int64_t hq, int64_t t0, int64_t rows) {
 
 at::Tensor prefill_attention_dpbf16(const at::Tensor& q_, const at::Tensor& kv, int64_t layer, const at::Tensor& pages,
                                     int64_t prior, double scale) {
-  TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.scalar_type() == at::kBFloat16,
-              "kv: want a contiguous bf16 pool [pages, layers, 2, kv_heads, page_size, head_dim]");
-  TORCH_CHECK(0 <= layer && layer < kv.size(1), "layer ", layer, " outside the pool's ", kv.size(1), " layers");
+  check_prefill(q_, kv, layer, pages, prior, 64, MAX_D);
   const at::Tensor q = q_.stride(2) == 1 ? q_ : q_.contiguous();
-  const int64_t T = q.size(0), hq = q.size(1), D = q.size(2), hk = kv.size(3), P = kv.size(4);
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && D == kv.size(5),
-              "q: want bf16 [T, Hq, ", kv.size(5), "], got ", q.sizes());
-  TORCH_CHECK(D % 64 == 0 && D <= MAX_D, "head_dim ", D, ": want a multiple of 64, <= ", MAX_D);
-  TORCH_CHECK(hq % hk == 0, hq, " query heads are not a multiple of ", hk, " KV heads");
-  TORCH_CHECK(prior >= 0 && T >= 1, "prior ", prior, ", T ", T);
-  const int64_t L = prior + T;
-  TORCH_CHECK(pages.scalar_type() == at::kLong && pages.dim() == 1 && pages.size(0) * P >= L,
-              "pages: want int64 [>= ", (L + P - 1) / P, "] for ", L, " tokens, got ", pages.sizes());
+  const int64_t T = q.size(0), hq = q.size(1), D = q.size(2), hk = kv.size(3), P = kv.size(4), L = prior + T;
   const int64_t* table = pages.data_ptr<int64_t>();
   const int64_t ts = pages.stride(0);
-  for (int64_t i = 0; i * P < L; ++i)
-    TORCH_CHECK(0 <= table[i * ts] && table[i * ts] < kv.size(0), "pages[", i, "] = ", table[i * ts],
-                ": outside the pool's ", kv.size(0), " pages");
   const int64_t Lp = (L + KB - 1) / KB * KB;
   std::vector<bf16> kt(hk * Lp * D), vp(hk * Lp * D);
   const bf16* pool = static_cast<const bf16*>(kv.data_ptr());
