@@ -208,10 +208,14 @@ def compiled(name: str, dpbf16: bool = False, amx: bool = False) -> Ops:
                    prefill_attention=c.prefill_attention)
 
 
+def _turned_off() -> bool:
+    return os.environ.get(ENV, "1").strip() == "0"
+
+
 def linear_wanted(info: CpuInfo) -> bool:
     """csrc/linear.cpp runs the bf16 linears: the CPU has avx512_bf16 and no AMX (with AMX, oneDNN's prepacked
     matmul runs prefill on tiles, 8x the dot products of dpbf16), the compiled kernels are on."""
-    return info.isa == "avx512_bf16" and "amx_bf16" not in info.flags and os.environ.get(ENV, "1").strip() != "0"
+    return info.isa == "avx512_bf16" and "amx_bf16" not in info.flags and not _turned_off()
 
 
 @lru_cache(maxsize=1)
@@ -234,7 +238,7 @@ def cpu_ops() -> Ops:
     info = cpu_info()
     name = variant_for(info)
     why = ""
-    if os.environ.get(ENV, "1").strip() == "0":
+    if _turned_off():
         why = f"{ENV}=0"
     elif name is None:
         why = f"the CPU has no AVX2 + FMA ({info.summary()})"

@@ -29,8 +29,12 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 def _can_prepack(w: torch.Tensor) -> bool:
     """Capability, not presence: our dpbf16 linear needs avx512_bf16, oneDNN's bf16 reorder AVX-512 (BW/VL/DQ)
     or AVX-NE-CONVERT, so on an AVX2-only CPU the plain F.linear path is taken (kernels/ probes both once)."""
-    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and (
-        (linear_lib() is not None and w.shape[-1] % 2 == 0) or onednn_bf16_prepack())
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and (_ours(w) or onednn_bf16_prepack())
+
+
+def _ours(w: torch.Tensor) -> bool:
+    """csrc/linear.cpp packs it: the kernel runs on this CPU (kernels.cpu.linear_lib) and K is even."""
+    return linear_lib() is not None and w.shape[-1] % 2 == 0
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,8 @@ def _prepacked(w: torch.Tensor) -> torch.Tensor | PackedLinear:
     by oneDNN, a decode step's gemv runs 2.2x faster (768x2048 at batch 1: 104 -> 44 us) with identical
     results, and prefill-sized batches are no slower. What inductor's freezing does for compiled CPU models,
     done here for the eager path."""
-    lib = linear_lib()
-    if lib is not None and w.shape[-1] % 2 == 0:
-        return PackedLinear(lib.pack_linear(w.detach()), w.shape[0])
+    if _ours(w):
+        return PackedLinear(linear_lib().pack_linear(w.detach()), w.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
 
 

@@ -42,10 +42,7 @@ struct Job {
 
 // Rows [m, m + R) of y for the columns of block b, rounded to bf16 (ties to even) as they are stored.
 template <int R>
-void rows_of(const Job& j, int64_t b, int64_t m, int64_t rows, float* acc) {
-  if constexpr (R > 1) {
-    if (rows < R) return rows_of<R - 1>(j, b, m, rows, acc);
-  }
+void run_tile(const Job& j, int64_t b, int64_t m, float* acc) {
   dpbf16_tile<R>(j.x + m * j.xs, j.xs, j.K, j.packed + b * j.K * BLOCK, acc);
   const int64_t col = b * BLOCK, n = std::min<int64_t>(BLOCK, j.N - col);
   for (int r = 0; r < R; ++r) {
@@ -88,7 +85,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
     alignas(64) float acc[MAX_R * BLOCK];
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < nb; ++b)
-      for (int64_t m = 0; m < M; m += MAX_R) rows_of<MAX_R>(j, b, m, std::min<int64_t>(MAX_R, M - m), acc);
+      for (int64_t m = 0; m < M; m += MAX_R)
+        with_rows(std::min<int64_t>(MAX_R, M - m), [&](auto r) { run_tile<decltype(r)::value>(j, b, m, acc); });
   }
   return y;
 }

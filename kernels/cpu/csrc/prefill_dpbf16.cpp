@@ -21,7 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <vector>
+#include <memory>
 
 #include "dpbf16_tile.h"
 #include "prefill_checks.h"
@@ -37,7 +37,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct Ctx {  // one call's shared state
   const bf16* q;
-  int64_t qs0, qs1, G, D, prior, L, Lp;
+  int64_t qs0, qs1, G, D, prior, Lp;
   const bf16* kt;  // [hk][Lp/64][D/2][64][2]
   const bf16* vp;  // [hk][Lp/64][D/64][32][64][2]
   float scale;
@@ -45,18 +45,19 @@ struct Ctx {  // one call's shared state
   int64_t os0, os1;
 };
 
-// K and V of KV head h, from its pages into the two operand layouts (keys past L stay zero: the vectors are
-// value-initialized).
+// K and V of KV head h, from its pages into the two operand layouts; the keys past L, up to the block's end,
+// are zero (the buffers are not initialized: everything else is written here).
 void lay_out(const bf16* pool, const int64_t* table, int64_t ts, int64_t page_stride, int64_t layer_off, int64_t hk,
              int64_t P, int64_t h, int64_t L, int64_t Lp, int64_t D, bf16* kt, bf16* vp) {
-  for (int64_t j = 0; j < L; ++j) {
-    const bf16* k = pool + table[(j / P) * ts] * page_stride + layer_off + (h * P + j % P) * D;
-    const bf16* v = k + hk * P * D;
+  const bf16 zero(0.0f);
+  for (int64_t j = 0; j < Lp; ++j) {
+    const bf16* k = j < L ? pool + table[(j / P) * ts] * page_stride + layer_off + (h * P + j % P) * D : nullptr;
+    const bf16* v = k ? k + hk * P * D : nullptr;
     const int64_t b = j / KB, c = j % KB;
     bf16* kb = kt + b * KB * D;  // [D/2][64][2]
-    for (int64_t d = 0; d < D; ++d) kb[(d / 2) * 2 * KB + c * 2 + d % 2] = k[d];
+    for (int64_t d = 0; d < D; ++d) kb[(d / 2) * 2 * KB + c * 2 + d % 2] = k ? k[d] : zero;
     bf16* vb = vp + b * KB * D;  // [D/64][32][64][2]
-    for (int64_t d = 0; d < D; ++d) vb[(d / 64) * KB * 64 + (c / 2) * 128 + (d % 64) * 2 + c % 2] = v[d];
+    for (int64_t d = 0; d < D; ++d) vb[(d / 64) * KB * 64 + (c / 2) * 128 + (d % 64) * 2 + c % 2] = v ? v[d] : zero;
   }
 }
 
@@ -121,14 +122,6 @@ void run_block(const Ctx& c, int64_t hq, int64_t t0) {
   }
 }
 
-template <int R>
-void rows_of(const Ctx& c, int64_t hq, int64_t t0, int64_t rows) {
-  if constexpr (R > 1) {
-    if (rows < R) return rows_of<R - 1>(c, hq, t0, rows);
-  }
-  run_block<R>(c, hq, t0);
-}
-
 at::Tensor prefill_attention_dpbf16(const at::Tensor& q_, const at::Tensor& kv, int64_t layer, const at::Tensor& pages,
                                     int64_t prior, double scale) {
   check_prefill(q_, kv, layer, pages, prior, 64, MAX_D);
@@ -137,21 +130,21 @@ at::Tensor prefill_attention_dpbf16(const at::Tensor& q_, const at::Tensor& kv, 
   const int64_t* table = pages.data_ptr<int64_t>();
   const int64_t ts = pages.stride(0);
   const int64_t Lp = (L + KB - 1) / KB * KB;
-  std::vector<bf16> kt(hk * Lp * D), vp(hk * Lp * D);
+  std::unique_ptr<bf16[]> kt(new bf16[hk * Lp * D]), vp(new bf16[hk * Lp * D]);  // lay_out writes all of it
   const bf16* pool = static_cast<const bf16*>(kv.data_ptr());
   const int64_t page_stride = kv.stride(0), layer_off = layer * kv.stride(1);
 #pragma omp parallel for schedule(static)
   for (int64_t h = 0; h < hk; ++h)
-    lay_out(pool, table, ts, page_stride, layer_off, hk, P, h, L, Lp, D, kt.data() + h * Lp * D,
-            vp.data() + h * Lp * D);
+    lay_out(pool, table, ts, page_stride, layer_off, hk, P, h, L, Lp, D, kt.get() + h * Lp * D,
+            vp.get() + h * Lp * D);
   auto out = at::empty({T, hq, D}, q.options());
-  const Ctx c{static_cast<const bf16*>(q.data_ptr()), q.stride(0), q.stride(1), hq / hk, D, prior, L, Lp, kt.data(),
-              vp.data(), static_cast<float>(scale), static_cast<bf16*>(out.data_ptr()), out.stride(0), out.stride(1)};
+  const Ctx c{static_cast<const bf16*>(q.data_ptr()), q.stride(0), q.stride(1), hq / hk, D, prior, Lp, kt.get(),
+              vp.get(), static_cast<float>(scale), static_cast<bf16*>(out.data_ptr()), out.stride(0), out.stride(1)};
   const int64_t nb = (T + QR - 1) / QR;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t it = 0; it < nb * hq; ++it) {
     const int64_t b = nb - 1 - it / hq, h = it % hq;  // the longest blocks (last queries) first
-    rows_of<QR>(c, h, b * QR, std::min<int64_t>(QR, T - b * QR));
+    with_rows(std::min<int64_t>(QR, T - b * QR), [&](auto r) { run_block<decltype(r)::value>(c, h, b * QR); });
   }
   return out;
 }
