@@ -86,6 +86,25 @@ def test_decode_attention_matches_reference(build, group, page_size, head_dim, d
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_decode_ignores_what_lies_past_the_context(build, page_size, dtype):
+    """Every slot at or past a sequence's context holds NaN: none of it reaches the output, though the kernel
+    pairs a page's odd last row with the next slot (dpbf16 P V) and steps its softmax over blocks of pages
+    (contexts here cross several blocks, end on odd and even slots)."""
+    name, lib, dpbf16 = build
+    p = page_size
+    ctxs = [3, 255, 256, 257, 513, 1001]
+    q, kv, pages, ctx = ragged_case(ctxs, 3, p, 64, dtype, seed=4)
+    for b, c in enumerate(ctxs):
+        last = (c - 1) // p  # the last page of the sequence (the table's padding repeats its first page)
+        kv[pages[b, last], 1, :, :, c - last * p:] = float("nan")
+    want = reference_decode(q, kv.nan_to_num(0.0), 1, pages, ctx, 0.125)
+    got = lib.decode_attention(q, kv, 1, pages, ctx, 0.125, 0, dpbf16)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("split_pages", [1, 2, 3])
 def test_split_kv_merges_to_the_same_result(build, split_pages, dtype):
     """Every context cut into ranges of split_pages pages, the partial results merged by log-sum-exp."""

@@ -5,7 +5,9 @@
 // KV head go through the range's pages together, so each K/V row is loaded once for all of them; scores
 // and the online softmax are fp32 (K/V widened from bf16 on load, or dotted natively with dpbf16). Scores
 // go a row and a block of W slots at a time, the block's W dot products reduced together (vsum_lanes):
-// a horizontal sum per token was most of the kernel's time. Long
+// a horizontal sum per token was most of the kernel's time. The softmax steps once per block of pages
+// (BLOCK tokens), not per page; with dpbf16, P V runs on it too (the probabilities rounded to bf16, two
+// tokens per instruction). The next K/V blocks are prefetched into L2 as the current one computes. Long
 // contexts are split into several items when there are fewer items than threads can balance; their
 // partial (unnormalized output, max, sum) are merged by log-sum-exp afterwards. No page is copied and
 // no mask is built: each item reads only the slots below its sequence's context length.
@@ -31,10 +33,16 @@ namespace {
 
 constexpr int64_t MAX_D = 256;  // head_dim
 constexpr int64_t MAX_P = 256;  // page size
-// Pages ahead whose lines are prefetched, one line of K and one of V per V row step of the current page:
-// in a model step (the pool in DRAM, not cache) 2 ahead and spread measured ~5% faster than the whole next
-// page in one burst at its start, which filled the line-fill buffers and stalled the arithmetic.
-constexpr int64_t PREFETCH_PAGES = 2;
+// Tokens per softmax step: as many whole pages as fit. One max, one rescale of the output and one exp per
+// row per block rather than per page (a 16-slot page made them a third of the kernel's time).
+constexpr int64_t BLOCK = MAX_P;
+// K/V blocks (one page of one KV head) ahead in the order the kernel reads them whose lines are prefetched
+// into L2, a few lines per step of the current block's loop. In a model step (the pool in DRAM, not cache)
+// on AMD Zen 4: spread, not in one burst (a burst at each page's start made this kernel ~10% slower than the
+// per-page one it replaced: it fills the line-fill buffers and stalls the arithmetic), and to L2, not L1
+// (the whole b=16 step 1.15x vs 1.02x faster with T0: L1's fill buffers bound the lines in flight).
+// 2 to 8 ahead measured alike.
+constexpr int64_t PREFETCH_AHEAD = 2;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct Pool {  // the strides of a contiguous kv[page, layer, 2, Hk, P, D]
@@ -49,33 +57,55 @@ template <int GB>
 struct Rows {
   alignas(64) float q[GB * MAX_D];  // the query rows in fp32, pre-scaled (zeros past the real rows)
   alignas(64) bf16 qb[GB * MAX_D];  // the same rows unscaled in bf16, for the dpbf16 path
-  alignas(64) float s[GB * MAX_P];  // one page's scores, then its probabilities
+  alignas(64) float s[GB * BLOCK];  // one block's scores, then its probabilities
+  alignas(64) bf16 pb[GB * BLOCK];  // the probabilities rounded to bf16, for the dpbf16 P V
   alignas(64) float o[GB * MAX_D];
   float m[GB], l[GB];
 };
 
+// The lines of one K or V block being prefetched while another is computed on: `steps` calls of step()
+// spread them over the computation, finish() issues what is left.
+struct Ahead {
+  const char* p = nullptr;
+  int64_t lines = 0, l = 0, per = 0;
+  void start(const void* block, int64_t nlines, int64_t steps) {
+    p = static_cast<const char*>(block);
+    lines = block != nullptr ? nlines : 0;
+    l = 0;
+    per = (lines + steps - 1) / std::max<int64_t>(steps, 1);
+  }
+  inline void step() {
+    for (const int64_t e = std::min(l + per, lines); l < e; ++l) _mm_prefetch(p + l * 64, _MM_HINT_T1);
+  }
+  void finish() {
+    for (; l < lines; ++l) _mm_prefetch(p + l * 64, _MM_HINT_T1);
+  }
+};
+
 // s[g][j] = scale * sum(a[g]) for the GB rows; four rows at a time while there are four.
 template <int GB, typename V>
-inline void store_sums(Rows<GB>& r, const V* a, int64_t j, float scale) {
+inline void store_sums(Rows<GB>& r, const V* a, int64_t j, float scale) {  // j: the slot in the block
   int g = 0;
   for (; g + 4 <= GB; g += 4) {
     alignas(16) float t[4];
     _mm_store_ps(t, _mm_mul_ps(vsum4(a[g], a[g + 1], a[g + 2], a[g + 3]), _mm_set1_ps(scale)));
-    for (int i = 0; i < 4; ++i) r.s[(g + i) * MAX_P + j] = t[i];
+    for (int i = 0; i < 4; ++i) r.s[(g + i) * BLOCK + j] = t[i];
   }
-  for (; g < GB; ++g) r.s[g * MAX_P + j] = vsum(a[g]) * scale;
+  for (; g < GB; ++g) r.s[g * BLOCK + j] = vsum(a[g]) * scale;
 }
 
-// Scores of rows x tokens [j0, j1) of one page of P slots: s[g][j - j0] = q[g] . K[j] (q pre-scaled).
+// Scores of rows x tokens [j0, j1) of one page of P slots: s[g][off + j - j0] = q[g] . K[j] (q pre-scaled).
 // Whole blocks of W slots go row by row: W tokens' products accumulated in W registers, then reduced
 // together (vsum_lanes), and the block's K (widened once to fp32 when bf16) stays in L1 across the rows.
 // A block may run past j1 inside the page: those lanes are masked by softmax_step. Slots a block would
 // read past the page's end (P not a multiple of W) go token by token.
 template <typename T, int GB>
-inline void scores(Rows<GB>& r, const T* K, int64_t D, int64_t P, int64_t j0, int64_t j1, float* kf) {
+inline void scores(Rows<GB>& r, const T* K, int64_t D, int64_t P, int64_t j0, int64_t j1, int64_t off, float* kf,
+                   Ahead& pf) {
   const int64_t nc = D / W;
   int64_t j = j0;
   for (; j < j1 && j + W <= P; j += W) {
+    pf.step();
     const float* kb;
     if constexpr (std::is_same_v<T, float>) {
       kb = K + j * D;
@@ -92,7 +122,7 @@ inline void scores(Rows<GB>& r, const T* K, int64_t D, int64_t P, int64_t j0, in
 #pragma GCC unroll 16
         for (int t = 0; t < W; ++t) a[t] = vfma(qv, vload(kb + t * D + c * W), a[t]);
       }
-      vstore(r.s + g * MAX_P + (j - j0), vsum_lanes(a));
+      vstore(r.s + g * BLOCK + off + (j - j0), vsum_lanes(a));
     }
   }
   for (; j < j1; ++j) {
@@ -105,8 +135,9 @@ inline void scores(Rows<GB>& r, const T* K, int64_t D, int64_t P, int64_t j0, in
 #pragma GCC unroll 8
       for (int g = 0; g < GB; ++g) a[g] = vfma(vload(r.q + g * D + c * W), k, a[g]);
     }
-    store_sums<GB>(r, a, j - j0, 1.0f);
+    store_sums<GB>(r, a, off + j - j0, 1.0f);
   }
+  pf.finish();
 }
 
 #if defined(__AVX512F__)
@@ -115,12 +146,14 @@ inline void scores(Rows<GB>& r, const T* K, int64_t D, int64_t P, int64_t j0, in
 // kernels/cpuinfo.py found avx512_bf16, and only for bf16 K.
 template <int GB>
 __attribute__((target("avx512bf16"))) void scores_dpbf16(Rows<GB>& r, const bf16* K, int64_t D, int64_t P,
-                                                        int64_t j0, int64_t j1, float scale) {
+                                                        int64_t j0, int64_t j1, int64_t off, float scale,
+                                                        Ahead& pf) {
   const int64_t nc = D / 32;
   const __m512 vs = _mm512_set1_ps(scale);
   int64_t j = j0;
   for (; j < j1 && j + 16 <= P; j += 16) {
     for (int g = 0; g < GB; ++g) {
+      pf.step();
       __m512 a[16];
 #pragma GCC unroll 16
       for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
@@ -130,7 +163,7 @@ __attribute__((target("avx512bf16"))) void scores_dpbf16(Rows<GB>& r, const bf16
         for (int t = 0; t < 16; ++t)
           a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_loadu_si512(K + (j + t) * D + c * 32));
       }
-      _mm512_storeu_ps(r.s + g * MAX_P + (j - j0), _mm512_mul_ps(vsum_lanes(a), vs));
+      _mm512_storeu_ps(r.s + g * BLOCK + off + (j - j0), _mm512_mul_ps(vsum_lanes(a), vs));
     }
   }
   for (; j < j1; ++j) {
@@ -144,17 +177,18 @@ __attribute__((target("avx512bf16"))) void scores_dpbf16(Rows<GB>& r, const bf16
       for (int g = 0; g < GB; ++g)
         a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_loadu_si512(r.qb + g * D + c * 32), k);
     }
-    store_sums<GB>(r, a, j - j0, scale);
+    store_sums<GB>(r, a, off + j - j0, scale);
   }
+  pf.finish();
 }
 #endif
 
-// Fold one page's scores (n of them per row) into the running softmax; leaves probabilities in r.s.
+// Fold one block's scores (n of them per row) into the running softmax; leaves probabilities in r.s.
 template <int GB>
 inline void softmax_step(Rows<GB>& r, int64_t D, int64_t n) {
   const int64_t np = (n + W - 1) / W * W;
   for (int g = 0; g < GB; ++g) {
-    float* s = r.s + g * MAX_P;
+    float* s = r.s + g * BLOCK;
     for (int64_t j = n; j < np; ++j) s[j] = NEG_INF;
     vf mx = vset(NEG_INF);
     for (int64_t j = 0; j < np; j += W) mx = vmax(mx, vload(s + j));
@@ -178,39 +212,79 @@ inline void softmax_step(Rows<GB>& r, int64_t D, int64_t n) {
   }
 }
 
-// Lines [from, to) of a page's K block at k and of its V block vo bytes on, toward L1.
-inline void prefetch_lines(const char* k, int64_t vo, int64_t from, int64_t to) {
-  for (int64_t l = from; l < to; ++l) {
-    _mm_prefetch(k + l * 64, _MM_HINT_T0);
-    _mm_prefetch(k + vo + l * 64, _MM_HINT_T0);
-  }
-}
-
-// o[g] += sum_j p[g][j] V[j0 + j], accumulators held in registers across the page's rows.
-// nk: a later page's K block (nullptr: none; its V block is vo bytes on): its lines are prefetched one per
-// V row step, spread over the pass instead of in one burst.
+// o[g] += sum_j p[g][off + j] V[j] over one page's n rows, accumulators held in registers across them.
 template <typename T, int GB>
-inline void accumulate(Rows<GB>& r, const T* V, int64_t D, int64_t j0, int64_t n, const char* nk, int64_t vo,
-                       int64_t lines) {
-  int64_t l = 0;
+inline void accumulate(Rows<GB>& r, const T* V, int64_t D, int64_t n, int64_t off, Ahead& pf) {
   for (int64_t c = 0; c < D; c += W) {
+    pf.step();
     vf a[GB];
 #pragma GCC unroll 8
     for (int g = 0; g < GB; ++g) a[g] = vload(r.o + g * D + c);
     for (int64_t j = 0; j < n; ++j) {
-      if (nk != nullptr && l < lines) {
-        prefetch_lines(nk, vo, l, l + 1);
-        ++l;
-      }
-      vf v = vload(V + (j0 + j) * D + c);
+      vf v = vload(V + j * D + c);
 #pragma GCC unroll 8
-      for (int g = 0; g < GB; ++g) a[g] = vfma(vset(r.s[g * MAX_P + j]), v, a[g]);
+      for (int g = 0; g < GB; ++g) a[g] = vfma(vset(r.s[g * BLOCK + off + j]), v, a[g]);
     }
 #pragma GCC unroll 8
     for (int g = 0; g < GB; ++g) vstore(r.o + g * D + c, a[g]);
   }
-  if (nk != nullptr) prefetch_lines(nk, vo, l, lines);
+  pf.finish();
 }
+
+#if defined(__AVX512F__)
+// The same with dpbf16 over pairs of tokens: the probabilities rounded to bf16 (as the prefill kernels and
+// flash attention round them), rows j and j + 1 of V interleaved by unpacklo/hi so that one dpbf16 against
+// the broadcast pair (p[j], p[j + 1]) adds both tokens' products to 16 lanes of o. The unpacks run within
+// 128-bit lanes, so o is kept in their order (see natural_order) until the end. A page's odd last row is
+// paired with zeros (what the slot after it holds need not be a number).
+template <int GB>
+__attribute__((target("avx512bf16"))) void accumulate_dpbf16(Rows<GB>& r, const bf16* V, int64_t D, int64_t n,
+                                                            int64_t off, Ahead& pf) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t c = 0; c < D; c += 32) {
+    __m512 lo[GB], hi[GB];
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) {
+      lo[g] = _mm512_loadu_ps(r.o + g * D + c);
+      hi[g] = _mm512_loadu_ps(r.o + g * D + c + 16);
+    }
+    for (int64_t j = 0; j < n; j += 2) {
+      pf.step();
+      const __m512i v0 = _mm512_loadu_si512(V + j * D + c);
+      const __m512i v1 = j + 1 < n ? _mm512_loadu_si512(V + (j + 1) * D + c) : zero;
+      const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(v0, v1), vh = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+#pragma GCC unroll 8
+      for (int g = 0; g < GB; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, r.pb + g * BLOCK + off + j, sizeof(pair));
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+        lo[g] = _mm512_dpbf16_ps(lo[g], pp, vl);
+        hi[g] = _mm512_dpbf16_ps(hi[g], pp, vh);
+      }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) {
+      _mm512_storeu_ps(r.o + g * D + c, lo[g]);
+      _mm512_storeu_ps(r.o + g * D + c + 16, hi[g]);
+    }
+  }
+  pf.finish();
+}
+
+// accumulate_dpbf16's o back to head_dim order: in each 32-wide chunk, lanes 4L + i of its low half hold
+// d = 8L + i and of its high half d = 8L + 4 + i (L the 128-bit lane, i < 4).
+inline void natural_order(float* o, int64_t D) {
+  float t[32];
+  for (int64_t c = 0; c < D; c += 32) {
+    for (int L = 0; L < 4; ++L)
+      for (int i = 0; i < 4; ++i) {
+        t[8 * L + i] = o[c + 4 * L + i];
+        t[8 * L + 4 + i] = o[c + 16 + 4 * L + i];
+      }
+    std::memcpy(o + c, t, sizeof(t));
+  }
+}
+#endif
 
 struct Item {
   int64_t b, h, t0, t1, part;  // sequence, KV head, context tokens [t0, t1), partial slot (-1: final)
@@ -252,29 +326,76 @@ void run_rows(const Args& a, const Item& it, int64_t g0, int64_t gn, Emit&& emit
   const int64_t bytes = P * D * static_cast<int64_t>(sizeof(T)), lines = bytes / 64, vo = p.hk * bytes;
   auto k_block = [&](int64_t pi) { return kv + table[pi * a.pages_s1] * p.page_stride + a.layer * p.layer_stride +
                                           it.h * P * D; };
-  // the pages before the first one prefetched during a pass: all at once, now
-  for (int64_t pi = it.t0 / P + 1; pi < it.t0 / P + PREFETCH_PAGES && pi * P < it.t1; ++pi)
-    prefetch_lines(reinterpret_cast<const char*>(k_block(pi)), vo, 0, lines);
-  for (int64_t pi = it.t0 / P; pi * P < it.t1; ++pi) {
-    const T* K = k_block(pi);
-    const T* V = K + p.hk * P * D;
-    const int64_t j0 = std::max<int64_t>(it.t0 - pi * P, 0), j1 = std::min<int64_t>(it.t1 - pi * P, P);
-    // A page two ahead is anywhere in the pool: its K and V lines start loading during this page's pass.
-    const char* nk = (pi + PREFETCH_PAGES) * P < it.t1 ? reinterpret_cast<const char*>(k_block(pi + PREFETCH_PAGES))
-                                                       : nullptr;
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, bf16>) {
-      if (a.dpbf16 && D % 32 == 0) scores_dpbf16<GB>(r, K, D, P, j0, j1, a.scale);
-      else scores<T, GB>(r, K, D, P, j0, j1, kf);
-    } else {
-      scores<T, GB>(r, K, D, P, j0, j1, kf);
-    }
+  const bool dp = std::is_same_v<T, bf16> && a.dpbf16 && D % 32 == 0;
 #else
-    scores<T, GB>(r, K, D, P, j0, j1, kf);
+  const bool dp = false;
 #endif
-    softmax_step<GB>(r, D, j1 - j0);
-    accumulate<T, GB>(r, V, D, j0, j1 - j0, nk, vo, lines);
+  // Blocks of whole pages (items start on a page): every page's scores, one softmax step, then P V page by
+  // page. The reads go K of the block's pages, then their V, then the next block's K: `ahead(b0, i)` is the
+  // K/V block i places on from the start of the block at page b0 (nullptr past the item's end).
+  const int64_t first = it.t0 / P, end = (it.t1 + P - 1) / P, per_block = std::max<int64_t>(1, BLOCK / P);
+  auto ahead = [&](int64_t b0, int64_t i) -> const T* {
+    while (b0 < end) {
+      const int64_t nb = std::min(end, b0 + per_block) - b0;
+      if (i < 2 * nb) return k_block(b0 + i % nb) + (i < nb ? 0 : p.hk * P * D);
+      i -= 2 * nb;
+      b0 += nb;
+    }
+    return nullptr;
+  };
+  for (int64_t i = 0; i < PREFETCH_AHEAD; ++i) {
+    Ahead burst;
+    burst.start(ahead(first, i), lines, 1);
+    burst.finish();
   }
+  const int64_t vsteps = dp ? D / 32 * ((P + 1) / 2) : D / W, ksteps = dp ? GB * ((P + 15) / 16) : (P + W - 1) / W;
+  Ahead pf;
+  for (int64_t b0 = first; b0 < end; b0 += per_block) {
+    const int64_t b1 = std::min(end, b0 + per_block), nb = b1 - b0;
+    for (int64_t pi = b0; pi < b1; ++pi) {
+      pf.start(ahead(b0, pi - b0 + PREFETCH_AHEAD), lines, ksteps);
+      const T* K = k_block(pi);
+      const int64_t j1 = std::min<int64_t>(it.t1 - pi * P, P), off = (pi - b0) * P;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (dp) scores_dpbf16<GB>(r, K, D, P, 0, j1, off, a.scale, pf);
+        else scores<T, GB>(r, K, D, P, 0, j1, off, kf, pf);
+      } else {
+        scores<T, GB>(r, K, D, P, 0, j1, off, kf, pf);
+      }
+#else
+      scores<T, GB>(r, K, D, P, 0, j1, off, kf, pf);
+#endif
+    }
+    const int64_t n = std::min<int64_t>(it.t1, b1 * P) - b0 * P;
+    softmax_step<GB>(r, D, n);
+#if defined(__AVX512F__)
+    if (dp) {
+      const int64_t np = (n + W - 1) / W * W;  // softmax_step zeroed the slots past n up to np
+      for (int g = 0; g < GB; ++g)
+        for (int64_t j = 0; j < np; j += W) vstore(r.pb + g * BLOCK + j, vload(r.s + g * BLOCK + j));
+    }
+#endif
+    for (int64_t pi = b0; pi < b1; ++pi) {
+      pf.start(ahead(b0, nb + pi - b0 + PREFETCH_AHEAD), lines, vsteps);
+      const T* V = k_block(pi) + p.hk * P * D;
+      const int64_t n_p = std::min<int64_t>(it.t1 - pi * P, P), off = (pi - b0) * P;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (dp) {
+          accumulate_dpbf16<GB>(r, V, D, n_p, off, pf);
+          continue;
+        }
+      }
+#endif
+      accumulate<T, GB>(r, V, D, n_p, off, pf);
+    }
+  }
+#if defined(__AVX512F__)
+  if (dp)
+    for (int64_t g = 0; g < gn; ++g) natural_order(r.o + g * D, D);
+#endif
   for (int64_t g = 0; g < gn; ++g) emit(g0 + g, r.o + g * D, r.m[g], r.l[g]);
 }
 
