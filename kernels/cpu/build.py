@@ -40,20 +40,23 @@ def stamp_path(name: str) -> Path:
     return BUILD / name / "torch_version"
 
 
-def build(name: str, verbose: bool = False) -> Path:
+def build(name: str, verbose: bool = False, variant: str | None = None, src: Path = SRC,
+          out: Path | None = None) -> Path:
+    """Compile VARIANTS[variant or name] from src into out (default BUILD/name) as ops in torch.ops.<name>.
+    Another name, src and out build an earlier revision's sources beside ours (trnd/bench/step_ab.py)."""
     import torch
     from torch.utils import cpp_extension
 
     # ninja from the venv (the Makefile installs the PyPI wheel there when the system has none)
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    out = BUILD / name
+    out = out or BUILD / name
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name=name, sources=[str(SRC / f) for f in SOURCES], extra_include_paths=[str(SRC)],
-        extra_cflags=COMMON + VARIANTS[name] + [f"-DTRND_LIB={name}"], extra_ldflags=["-fopenmp"],
+        name=name, sources=[str(src / f) for f in SOURCES if (src / f).exists()], extra_include_paths=[str(src)],
+        extra_cflags=COMMON + VARIANTS[variant or name] + [f"-DTRND_LIB={name}"], extra_ldflags=["-fopenmp"],
         build_directory=str(out), is_python_module=False, verbose=verbose)
-    stamp_path(name).write_text(torch.__version__)
-    return library_path(name)
+    (out / "torch_version").write_text(torch.__version__)
+    return out / f"{name}.so"
 
 
 def main(argv: list[str] | None = None) -> int:
