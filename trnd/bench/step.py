@@ -29,8 +29,22 @@ def _swap(model, ops: Ops) -> None:
             m.ops = ops
 
 
-def main(argv=None) -> int:
+def decode_batch(model, cfg, b: int, ctx: int, page: int):
+    """A runner over a pool of noise and a decode batch of b sequences with ctx tokens each, every page of
+    them distinct and scattered over the pool (read from DRAM, as in serving)."""
     from trnd.engine.runner import ModelRunner, StepInputs, alloc_kv
+
+    per = -(-(ctx + 1) // page)
+    kv = alloc_kv(cfg, cfg.num_kv_heads, b * per + 1, page)
+    kv.normal_()
+    tables = torch.randperm(b * per).view(b, per).tolist()
+    x = StepInputs(ids=[7] * b, positions=[ctx] * b, page_ids=[t[ctx // page] for t in tables],
+                   offsets=[ctx % page] * b, decode_pages=tables, decode_ctx=[ctx + 1] * b, prefill=[],
+                   sample_rows=list(range(b)))
+    return ModelRunner(model, cfg, kv), x
+
+
+def main(argv=None) -> int:
     from trnd.model.loader import load_model
     from trnd.model.maker import resolve_model
 
@@ -58,14 +72,7 @@ def main(argv=None) -> int:
         model, cfg = load_model(path, dname, prepack=True)  # as the engine loads it on the CPU
         for b in a.batch:
             for ctx in a.ctx:
-                per = -(-(ctx + 1) // a.page)
-                kv = alloc_kv(cfg, cfg.num_kv_heads, b * per + 1, a.page)
-                kv.normal_()
-                runner = ModelRunner(model, cfg, kv)
-                tables = torch.randperm(b * per).view(b, per).tolist()
-                x = StepInputs(ids=[7] * b, positions=[ctx] * b,
-                               page_ids=[t[ctx // a.page] for t in tables], offsets=[ctx % a.page] * b,
-                               decode_pages=tables, decode_ctx=[ctx + 1] * b, prefill=[], sample_rows=list(range(b)))
+                runner, x = decode_batch(model, cfg, b, ctx, a.page)
                 best = {name: float("inf") for name, _ in variants}
                 outs = {}
                 for i in range(a.iters + 1):

@@ -22,7 +22,7 @@ import torch
 
 from kernels.cpu import CompiledOps, build, compiled, load_library
 from kernels.cpuinfo import cpu_info
-from trnd.bench.step import _swap
+from trnd.bench.step import _swap, decode_batch
 
 CSRC = "kernels/cpu/csrc"
 
@@ -46,7 +46,6 @@ def build_rev(rev: str, variant: str, work: Path):
 
 
 def main(argv=None) -> int:
-    from trnd.engine.runner import ModelRunner, StepInputs, alloc_kv
     from trnd.model.loader import load_model
     from trnd.model.maker import resolve_model
 
@@ -81,14 +80,7 @@ def main(argv=None) -> int:
     model, cfg = load_model(resolve_model(a.model), a.dtype, prepack=True)
     for b in a.batch:
         for ctx in a.ctx:
-            per = -(-(ctx + 1) // a.page)
-            kv = alloc_kv(cfg, cfg.num_kv_heads, b * per + 1, a.page)
-            kv.normal_()
-            runner = ModelRunner(model, cfg, kv)
-            tables = torch.randperm(b * per).view(b, per).tolist()  # every page distinct, scattered
-            x = StepInputs(ids=[7] * b, positions=[ctx] * b, page_ids=[t[ctx // a.page] for t in tables],
-                           offsets=[ctx % a.page] * b, decode_pages=tables, decode_ctx=[ctx + 1] * b, prefill=[],
-                           sample_rows=list(range(b)))
+            runner, x = decode_batch(model, cfg, b, ctx, a.page)
             ts = {"A": [], "B": []}
             for i in range(a.steps + 1):
                 for name, ops in ((("A", old), ("B", new)) if i % 2 else (("B", new), ("A", old))):
