@@ -324,7 +324,7 @@ void run_rows(const Args& a, const Item& it, int64_t g0, int64_t gn, Emit&& emit
   }
   const T* kv = static_cast<const T*>(a.kv);
   const int64_t* table = a.pages + it.b * a.pages_s0;
-  const int64_t bytes = P * D * static_cast<int64_t>(sizeof(T)), lines = bytes / 64, vo = p.hk * bytes;
+  const int64_t bytes = P * D * static_cast<int64_t>(sizeof(T)), lines = bytes / 64;
   auto k_block = [&](int64_t pi) { return kv + table[pi * a.pages_s1] * p.page_stride + a.layer * p.layer_stride +
                                           it.h * P * D; };
 #if defined(__AVX512F__)
