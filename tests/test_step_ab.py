@@ -10,6 +10,7 @@ def test_a_revision_without_the_kernels_is_named(tmp_path):
         step_ab.build_rev("no-such-rev-0", "trnd_avx2", tmp_path)
 
 
-def test_cli_names_a_missing_rev():
+def test_cli_names_a_missing_rev(capsys):
     with pytest.raises(SystemExit):
-        step_ab.main(["--batch", "1"])  # --rev is required
+        step_ab.main(["--batch", "1"])
+    assert "the following arguments are required: --rev" in capsys.readouterr().err

@@ -201,7 +201,11 @@ def compiled(name: str, dpbf16: bool = False, amx: bool = False) -> Ops:
         raise RuntimeError(why)
     if amx and not lib.amx_ready():
         raise RuntimeError(f"{name}: no AMX tile state granted here")
-    c = CompiledOps(lib, dpbf16, amx)
+    return ops_table(CompiledOps(lib, dpbf16, amx))
+
+
+def ops_table(c: CompiledOps) -> Ops:
+    """The torch ops with every entry a build has swapped for its kernel (the rest stay torch's)."""
     return replace(TORCH_OPS, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, apply_rotary=c.apply_rotary,
                    silu_and_mul=c.silu_and_mul, qk_norm_rotary=c.qk_norm_rotary, write_kv=c.write_kv,
                    decode_attention=c.decode_attention,

@@ -52,7 +52,9 @@ def build(name: str, verbose: bool = False, variant: str | None = None, src: Pat
     out = out or BUILD / name
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name=name, sources=[str(src / f) for f in SOURCES if (src / f).exists()], extra_include_paths=[str(src)],
+        # an earlier revision may predate a source file; ours must have every one (a missing file fails here)
+        name=name, sources=[str(src / f) for f in SOURCES if src == SRC or (src / f).exists()],
+        extra_include_paths=[str(src)],
         extra_cflags=COMMON + VARIANTS[variant or name] + [f"-DTRND_LIB={name}"], extra_ldflags=["-fopenmp"],
         build_directory=str(out), is_python_module=False, verbose=verbose)
     (out / "torch_version").write_text(torch.__version__)

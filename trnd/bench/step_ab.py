@@ -15,12 +15,11 @@ import argparse
 import subprocess
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from kernels.cpu import CompiledOps, build, compiled, load_library
+from kernels.cpu import CompiledOps, build, compiled, ops_table
 from kernels.cpuinfo import cpu_info
 from trnd.bench.step import _swap, decode_batch
 
@@ -62,17 +61,13 @@ def main(argv=None) -> int:
     info = cpu_info()
     if a.build == "trnd_avx512" and "avx512f" not in info.flags:
         raise SystemExit(f"--build trnd_avx512: this CPU has no AVX-512 ({info.summary()})")
-    lib, why = load_library(a.build)
-    if lib is None:
-        raise SystemExit(why)
     dpbf16 = info.isa == "avx512_bf16" and a.build == "trnd_avx512"
-    new = compiled(a.build, dpbf16)
+    try:
+        new = compiled(a.build, dpbf16)
+    except RuntimeError as e:  # not built here: why, in one line
+        raise SystemExit(str(e)) from None
     with tempfile.TemporaryDirectory() as tmp:
-        old_lib = build_rev(a.rev, a.build, Path(tmp))
-    c = CompiledOps(old_lib, dpbf16)
-    old = replace(new, **{k: getattr(c, k) for k in ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul",
-                                                      "qk_norm_rotary", "write_kv", "decode_attention",
-                                                      "prefill_attention")})
+        old = ops_table(CompiledOps(build_rev(a.rev, a.build, Path(tmp)), dpbf16))
     print(f"CPU: {info.summary()}; torch threads {torch.get_num_threads()}; A = {a.rev}'s {a.build}, "
           f"B = the working tree's")
     print("| dtype | batch | ctx | A median ms | B median ms | A / B, median of per-pair ratios (p25-p75) |")
@@ -89,7 +84,7 @@ def main(argv=None) -> int:
                     runner.forward(x)
                     if i:  # the first round warms up
                         ts[name].append(time.perf_counter() - t)
-            r = sorted(x / y for x, y in zip(ts["A"], ts["B"]))
+            r = sorted(ta / tb for ta, tb in zip(ts["A"], ts["B"]))
             med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in ts.items()}
             print(f"| {a.dtype} | {b} | {ctx} | {med['A']:.2f} | {med['B']:.2f} | {r[len(r) // 2]:.3f} "
                   f"({r[len(r) // 4]:.3f}-{r[3 * len(r) // 4]:.3f}) |")
