@@ -1,6 +1,7 @@
-"""The dpbf16 linear (kernels/cpu/csrc/linear.cpp) against the exact product of the same bf16 values, its
-packed layout, its errors, and where it is chosen: avx512_bf16 without AMX (elsewhere oneDNN's prepacked
-matmul or F.linear run the linears; test_prepack.py and test_cpu_portability.py cover those)."""
+"""The dpbf16 and AMX linears (kernels/cpu/csrc/linear.cpp) against the exact product of the same bf16 values,
+their packed layout, their errors, and where they are chosen: avx512_bf16, with AMX tiles from
+LINEAR_AMX_MIN_ROWS rows where the CPU has them (elsewhere oneDNN's prepacked matmul or F.linear run the
+linears; test_prepack.py and test_cpu_portability.py cover those)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from trnd.parallel import TP1
 
 HOST = cpu_info()
 needs_dpbf16 = pytest.mark.skipif(HOST.isa != "avx512_bf16", reason=f"no avx512_bf16 here ({HOST.summary()})")
+needs_amx = pytest.mark.skipif(not kcpu.linear_amx(), reason=f"no AMX tiles for the linears here ({HOST.summary()})")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,32 @@ def test_linear_matches_the_exact_product(lib, m, n, k):
     w = torch.randn(n, k).bfloat16()
     x = torch.randn(m, k).bfloat16()
     assert_rounded_once(lib.linear(x, lib.pack_linear(w), n), exact(x, w), k)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(1, 32), (63, 64), (65, 768), (200, 96), (1280, 2048)])
+def test_amx_linear_matches_the_exact_product(lib, m, n, k):
+    torch.manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k).bfloat16()
+    x = torch.randn(m, k).bfloat16()
+    assert_rounded_once(lib.linear_amx(x, lib.pack_linear(w), n), exact(x, w), k)
+
+
+@needs_amx
+def test_amx_reads_rows_of_a_wider_tensor_in_place(lib):
+    torch.manual_seed(4)
+    w = torch.randn(100, 96).bfloat16()
+    wide = torch.randn(32, 160).bfloat16()
+    x = wide[:, 32:128]  # row stride 160: 32 rows, whole tiles, read without a copy
+    assert_rounded_once(lib.linear_amx(x, lib.pack_linear(w), 100), exact(x, w), 96)
+
+
+@needs_amx
+def test_amx_refuses_k_not_a_multiple_of_32(lib):
+    p = lib.pack_linear(torch.zeros(70, 48, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K = 48 must be a multiple of 32"):
+        lib.linear_amx(torch.zeros(16, 48, dtype=torch.bfloat16), p, 70)
 
 
 @needs_dpbf16
@@ -83,10 +111,10 @@ def _info(isa: str, *extra: str) -> CpuInfo:
     return CpuInfo("test", frozenset({"avx2", "fma", *extra}), isa, False)
 
 
-def test_chosen_where_the_cpu_has_avx512_bf16_and_no_amx(monkeypatch):
+def test_chosen_where_the_cpu_has_avx512_bf16(monkeypatch):
     monkeypatch.delenv(kcpu.ENV, raising=False)
     assert kcpu.linear_wanted(_info("avx512_bf16", "avx512f", "avx512_bf16"))
-    assert not kcpu.linear_wanted(_info("avx512_bf16", "avx512f", "avx512_bf16", "amx_bf16"))  # oneDNN's AMX
+    assert kcpu.linear_wanted(_info("avx512_bf16", "avx512f", "avx512_bf16", "amx_bf16"))  # + linear_amx
     assert not kcpu.linear_wanted(_info("avx512", "avx512f"))
     assert not kcpu.linear_wanted(_info("avx2"))
     monkeypatch.setenv(kcpu.ENV, "0")
@@ -115,3 +143,31 @@ def test_a_transposed_input_is_made_contiguous_first():
     assert lin.prepack()
     x = torch.randn(64, 5).bfloat16().T  # [5, 64], stride (1, 5)
     assert_rounded_once(lin(x), exact(x, w), 64)
+
+
+@pytest.mark.skipif(kcpu.linear_lib() is None, reason=f"the dpbf16 linear is not chosen here ({HOST.summary()})")
+@pytest.mark.parametrize("m", [kcpu.LINEAR_AMX_MIN_ROWS - 1, kcpu.LINEAR_AMX_MIN_ROWS, 33])
+def test_a_linear_takes_the_amx_kernel_from_its_row_count(monkeypatch, m):
+    """Either side of LINEAR_AMX_MIN_ROWS the same product; the AMX kernel is called exactly when AMX is here
+    (and K a multiple of 32) and the rows reach the threshold."""
+    torch.manual_seed(5)
+    lin = Linear(64, 70, [Source("w")], torch.bfloat16, TP1)
+    lin.weight.data.normal_()
+    w = lin.weight.detach().clone()
+    assert lin.prepack() and lin.packed.amx == kcpu.linear_amx()
+    calls = []
+    lib = kcpu.linear_lib()
+
+    class Spy:
+        def linear(self, *a):
+            calls.append("dpbf16")
+            return lib.linear(*a)
+
+        def linear_amx(self, *a):
+            calls.append("amx")
+            return lib.linear_amx(*a)
+
+    monkeypatch.setattr("trnd.model.layers.linear_lib", lambda: Spy())
+    x = torch.randn(m, 64).bfloat16()
+    assert_rounded_once(lin(x), exact(x, w), 64)
+    assert calls == ["amx" if kcpu.linear_amx() and m >= kcpu.LINEAR_AMX_MIN_ROWS else "dpbf16"]

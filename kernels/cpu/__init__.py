@@ -40,6 +40,11 @@ ROWS_MAX_CTX = 1024
 # The AMX and the dpbf16 tiles prefill kernels copy the context's K/V into their operands' order first
 # (csrc/prefill_amx.cpp, csrc/prefill_dpbf16.cpp): contexts whose copy would be larger go to torch's flash kernel.
 AMX_MAX_LAYOUT_BYTES = 64 * 2**20
+# A linear of at least this many rows runs on AMX tiles (csrc/linear.cpp's linear_amx) where the CPU has them;
+# fewer go to the dpbf16 tiles, which the weight stream bounds there. Intel Sapphire Rapids, the `small`
+# model's linears (kernels.cpu.bench_linear): dpbf16 15.6 / AMX 20.7 ms at 1 row, 20.2 / 20.3 at 8, 32.6 /
+# 20.3 at 16.
+LINEAR_AMX_MIN_ROWS = 8
 
 
 def variant_for(info: CpuInfo) -> str | None:
@@ -217,9 +222,9 @@ def _turned_off() -> bool:
 
 
 def linear_wanted(info: CpuInfo) -> bool:
-    """csrc/linear.cpp runs the bf16 linears: the CPU has avx512_bf16 and no AMX (with AMX, oneDNN's prepacked
-    matmul runs prefill on tiles, 8x the dot products of dpbf16), the compiled kernels are on."""
-    return info.isa == "avx512_bf16" and "amx_bf16" not in info.flags and not _turned_off()
+    """csrc/linear.cpp runs the bf16 linears: the CPU has avx512_bf16 (with AMX too, its tiles take the linears
+    of LINEAR_AMX_MIN_ROWS rows and more), the compiled kernels are on."""
+    return info.isa == "avx512_bf16" and not _turned_off()
 
 
 @lru_cache(maxsize=1)
@@ -227,13 +232,21 @@ def linear_lib():
     """The AVX-512 build, whose `pack_linear`/`linear` run the CPU engine's bf16 linears, or None (oneDNN's
     prepacked matmul or F.linear then: trnd/model/layers.py). Against oneDNN on AMD Zen 4, the model's linears
     in one pass over 200 MB (kernels.cpu.bench_linear): 1.75x faster at 1 row, 1.2x at 16, equal at 512; the
-    batch-1 decode step 1.41x (docs/RESULTS.md, "Linears without AMX")."""
+    batch-1 decode step 1.41x (docs/RESULTS.md, "Linears without AMX"); with `linear_amx` on Intel Sapphire
+    Rapids, 1.5x at 1 row, 1.24x at 16, equal at 512 (docs/RESULTS.md, "Linears on AMX")."""
     if not linear_wanted(cpu_info()):
         return None
     lib, why = load_library("trnd_avx512")
     if lib is None:
         log.info("cpu kernels: bf16 linears not compiled (%s); oneDNN runs them", why)
     return lib
+
+
+@lru_cache(maxsize=1)
+def linear_amx() -> bool:
+    """linear_lib()'s `linear_amx` runs here: the CPU has amx_bf16 and Linux grants the tile state."""
+    lib = linear_lib()
+    return lib is not None and "amx_bf16" in cpu_info().flags and lib.amx_ready()
 
 
 @lru_cache(maxsize=1)

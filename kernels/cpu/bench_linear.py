@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     gb = sum(w.numel() * 2 for w in plain) / 1e9
     variants = {
         "trnd dpbf16": lambda xs: [lib.linear(xs[p.shape[1] * 2], p, n) for p, n in ours],
+        "trnd AMX": lambda xs: [lib.linear_amx(xs[p.shape[1] * 2], p, n) for p, n in ours],
         "oneDNN prepacked": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], o, None, "none", [], "")
                                         for w, o in zip(plain, onednn)],
         "F.linear": lambda xs: [F.linear(xs[w.shape[1]], w) for w in plain],

@@ -2,7 +2,8 @@
 
 Every CPU fast path is chosen from what the running CPU supports (kernels/cpuinfo.py), never from
 what the build machine had: bf16 compute only where the CPU has bf16 dot products in hardware, bf16
-linears in our dpbf16 kernel's layout where the CPU has avx512_bf16 and no AMX, else oneDNN prepacking
+linears in our dpbf16 kernel's layout where the CPU has avx512_bf16 (on AMX tiles from 8 rows where it has
+those), else oneDNN prepacking
 where its bf16 reorder runs, the compiled kernels of kernels/cpu/ in the build for this
 CPU's ISA where they are built (else the torch twins in kernels/; kernels.cpu.cpu_ops says which in one
 log line).
@@ -11,7 +12,7 @@ log line).
 from functools import cached_property
 
 from kernels import Ops
-from kernels.cpu import linear_lib
+from kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_lib
 from kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack
 from trnd.backends.base import Backend
 
@@ -43,7 +44,8 @@ def cpu_paths(dtype: str, why: str) -> dict[str, str]:
     if dtype != "bfloat16":
         prepack = f"F.linear ({dtype})"
     elif linear_lib() is not None:
-        prepack = f"compiled {linear_lib().__name__} dpbf16 (packed at load)"
+        amx = f", AMX from {LINEAR_AMX_MIN_ROWS} rows" if linear_amx() else ""
+        prepack = f"compiled {linear_lib().__name__} dpbf16{amx} (packed at load)"
     else:
         prepack = "oneDNN bf16 prepacked" if onednn_bf16_prepack() else "F.linear (no oneDNN bf16 reorder on this CPU)"
     return {"cpu": info.model, "flags": " ".join(f for f in RELEVANT if f in info.flags) or "none", "isa": info.isa,

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import linear_lib
+from kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_lib
 from kernels.cpuinfo import onednn_bf16_prepack
 from trnd.parallel import TPGroup
 
@@ -39,19 +39,21 @@ def _ours(w: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """A weight in kernels/cpu/csrc/linear.cpp's layout (its columns padded to blocks of 64) and its width."""
+    """A weight in kernels/cpu/csrc/linear.cpp's layout (its columns padded to blocks of 64) and its width.
+    amx: its `linear_amx` takes it (AMX here, K a multiple of 32) for calls of LINEAR_AMX_MIN_ROWS rows or more."""
     data: torch.Tensor
     n: int
+    amx: bool = False
 
 
 def _prepacked(w: torch.Tensor) -> torch.Tensor | PackedLinear:
-    """The weight reordered once into a matmul's layout: csrc/linear.cpp's where it runs (avx512_bf16, no AMX),
-    else oneDNN's blocked one. F.linear on bf16 CPU tensors reorders the weight inside every call; prepacked
+    """The weight reordered once into a matmul's layout: csrc/linear.cpp's where it runs (avx512_bf16; its dpbf16
+    and AMX kernels share it), else oneDNN's blocked one. F.linear on bf16 CPU tensors reorders the weight inside every call; prepacked
     by oneDNN, a decode step's gemv runs 2.2x faster (768x2048 at batch 1: 104 -> 44 us) with identical
     results, and prefill-sized batches are no slower. What inductor's freezing does for compiled CPU models,
     done here for the eager path."""
     if _ours(w):
-        return PackedLinear(linear_lib().pack_linear(w.detach()), w.shape[0])
+        return PackedLinear(linear_lib().pack_linear(w.detach()), w.shape[0], linear_amx() and w.shape[1] % 32 == 0)
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
 
 
@@ -59,7 +61,9 @@ def _linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor |
             bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(packed, PackedLinear):
         rows = x.reshape(-1, x.shape[-1])
-        y = linear_lib().linear(rows if rows.stride(-1) == 1 else rows.contiguous(), packed.data, packed.n)
+        lib = linear_lib()
+        op = lib.linear_amx if packed.amx and rows.shape[0] >= LINEAR_AMX_MIN_ROWS else lib.linear
+        y = op(rows if rows.stride(-1) == 1 else rows.contiguous(), packed.data, packed.n)
         y = y.view(*x.shape[:-1], packed.n)
         return y if bias is None else y.add_(bias)
     if packed is not None:

@@ -17,6 +17,10 @@ namespace trnd {
 
 constexpr int64_t TILE_COLS = 64;
 constexpr int TILE_MAX_R = 6;
+#ifndef PF_DIST
+#define PF_DIST 32
+#endif
+constexpr int64_t PF = PF_DIST;
 
 template <int R>
 __attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int64_t xs, int64_t K, const bf16* blk,
@@ -30,6 +34,9 @@ __attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const bf16* w = blk + kp * 2 * TILE_COLS;
     __m512bh wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_PAIRS * 2 * TILE_COLS + 32 * v), _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
 #pragma GCC unroll 8

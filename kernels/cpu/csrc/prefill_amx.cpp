@@ -23,12 +23,11 @@
 #include <limits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "prefill_checks.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include "vec.h"
@@ -41,35 +40,6 @@ constexpr int64_t KB = 32;  // keys per step: one bf16 tile of P is 16 x 32
 constexpr int64_t MAX_D = 256;
 
 #if defined(__AVX512F__)
-
-bool amx_permitted() {
-  // Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-  // once granted it holds for the whole process.
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0 K (A), tmm1 Q^T (B), tmm2 / tmm3 S^T for keys 0-15 / 16-31; then, head_dim <= 64, tmm2 P^T (B), tmm3
-// V^T (A) and tmm4-7 O^T; else tmm4 V^T, tmm5 P^T, tmm6 one chunk of O^T. All 16 rows x 64 bytes.
-__attribute__((target("amx-tile"))) void load_tiles() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  // GCC 12 drops the stores above as dead (it does not see ldtilecfg read them): this barrier keeps them
-  __asm__ __volatile__("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
-}
-
-__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
 // V of one KV head, keys [0, L) read from the pages (zeros after, up to Lp = L rounded up to KB), laid out as
 // the A operand of O^T = V^T P^T: per block of 32 keys and chunk of 16 dims, a tile of 16 rows (dims) x 32 keys.
@@ -98,6 +68,8 @@ __attribute__((target("avx512f"))) inline __m512 pow2_bf16(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
+// tmm0 K (A), tmm1 Q^T (B), tmm2 / tmm3 S^T for keys 0-15 / 16-31; then, head_dim <= 64, tmm2 P^T (B), tmm3
+// V^T (A) and tmm4-7 O^T; else tmm4 V^T, tmm5 P^T, tmm6 one chunk of O^T (amx_tiles.h's configuration).
 #define TRND_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 
 // O^T held in tiles tmm4..tmm7 (head_dim <= 64: up to four 16-dim chunks); the tile number must be an immediate.
