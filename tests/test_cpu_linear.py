@@ -41,20 +41,22 @@ def assert_rounded_once(y: torch.Tensor, want: torch.Tensor, k: int) -> None:
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64])
 @pytest.mark.parametrize("n,k", [(1, 2), (63, 64), (64, 66), (65, 768), (200, 130), (1280, 768)])
 def test_linear_matches_the_exact_product(lib, m, n, k):
+    assert_product(lib, lib.linear, m, n, k)
+
+
+def assert_product(lib, op, m: int, n: int, k: int) -> None:
+    """op(x, pack_linear(w), n) on random bf16 values is their exact product rounded once."""
     torch.manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k).bfloat16()
     x = torch.randn(m, k).bfloat16()
-    assert_rounded_once(lib.linear(x, lib.pack_linear(w), n), exact(x, w), k)
+    assert_rounded_once(op(x, lib.pack_linear(w), n), exact(x, w), k)
 
 
 @needs_amx
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 40])
 @pytest.mark.parametrize("n,k", [(1, 32), (63, 64), (65, 768), (200, 96), (1280, 2048)])
 def test_amx_linear_matches_the_exact_product(lib, m, n, k):
-    torch.manual_seed(m * 1000 + n + k)
-    w = torch.randn(n, k).bfloat16()
-    x = torch.randn(m, k).bfloat16()
-    assert_rounded_once(lib.linear_amx(x, lib.pack_linear(w), n), exact(x, w), k)
+    assert_product(lib, lib.linear_amx, m, n, k)
 
 
 @needs_amx
