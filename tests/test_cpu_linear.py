@@ -152,15 +152,12 @@ def test_a_transposed_input_is_made_contiguous_first():
 def test_a_linear_takes_the_amx_kernel_from_its_row_count(monkeypatch, m):
     """Either side of LINEAR_AMX_MIN_ROWS the same product; the AMX kernel is called exactly when AMX is here
     (and K a multiple of 32) and the rows reach the threshold."""
-    torch.manual_seed(5)
-    lin = Linear(64, 70, [Source("w")], torch.bfloat16, TP1)
-    lin.weight.data.normal_()
-    w = lin.weight.detach().clone()
-    assert lin.prepack() and lin.packed.amx == kcpu.linear_amx()
     calls = []
     lib = kcpu.linear_lib()
 
     class Spy:
+        pack_linear = lib.pack_linear
+
         def linear(self, *a):
             calls.append("dpbf16")
             return lib.linear(*a)
@@ -169,7 +166,26 @@ def test_a_linear_takes_the_amx_kernel_from_its_row_count(monkeypatch, m):
             calls.append("amx")
             return lib.linear_amx(*a)
 
-    monkeypatch.setattr("trnd.model.layers.linear_lib", lambda: Spy())
+    monkeypatch.setattr("trnd.model.layers.linear_lib", lambda: Spy())  # the ops the packed weight will hold
+    torch.manual_seed(5)
+    lin = Linear(64, 70, [Source("w")], torch.bfloat16, TP1)
+    lin.weight.data.normal_()
+    w = lin.weight.detach().clone()
+    assert lin.prepack() and (lin.packed.amx is not None) == kcpu.linear_amx()
     x = torch.randn(m, 64).bfloat16()
     assert_rounded_once(lin(x), exact(x, w), 64)
     assert calls == ["amx" if kcpu.linear_amx() and m >= kcpu.LINEAR_AMX_MIN_ROWS else "dpbf16"]
+
+
+@pytest.mark.skipif(kcpu.linear_lib() is None, reason=f"the dpbf16 linear is not chosen here ({HOST.summary()})")
+def test_a_packed_linear_traces_in_one_graph():
+    """engine/compiled.py traces the model with fullgraph=True: the linear ops have shapes for tracing (no CPU
+    probe is read inside the forward, no graph break) and the traced call computes what the eager one does."""
+    torch.manual_seed(6)
+    lin = Linear(64, 70, [Source("w")], torch.bfloat16, TP1)
+    lin.weight.data.normal_()
+    assert lin.prepack()
+    traced = torch.compile(lin, backend="eager", fullgraph=True, dynamic=True)
+    for m in (1, kcpu.LINEAR_AMX_MIN_ROWS, 20):
+        x = torch.randn(m, 64).bfloat16()
+        assert torch.equal(traced(x), lin(x))

@@ -3,6 +3,7 @@ checkpoint (`Source`s, concatenated along dim 0), so the loader reads only this 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +40,13 @@ def _ours(w: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """A weight in kernels/cpu/csrc/linear.cpp's layout (its columns padded to blocks of 64) and its width.
-    amx: its `linear_amx` takes it (AMX here, K a multiple of 32) for calls of LINEAR_AMX_MIN_ROWS rows or more."""
+    """A weight in kernels/cpu/csrc/linear.cpp's layout (its columns padded to blocks of 64), its width and the
+    ops that take it, held here so a traced forward (engine/compiled.py) reads no CPU probe: `linear` (dpbf16)
+    and `amx` (`linear_amx`, where AMX runs and K is a multiple of 32) for calls of LINEAR_AMX_MIN_ROWS rows or more."""
     data: torch.Tensor
     n: int
-    amx: bool = False
+    linear: Callable
+    amx: Callable | None = None
 
 
 def _prepacked(w: torch.Tensor) -> torch.Tensor | PackedLinear:
@@ -53,7 +56,9 @@ def _prepacked(w: torch.Tensor) -> torch.Tensor | PackedLinear:
     results, and prefill-sized batches are no slower. What inductor's freezing does for compiled CPU models,
     done here for the eager path."""
     if _ours(w):
-        return PackedLinear(linear_lib().pack_linear(w.detach()), w.shape[0], linear_amx() and w.shape[1] % 32 == 0)
+        lib = linear_lib()
+        amx = lib.linear_amx if linear_amx() and w.shape[1] % 32 == 0 else None
+        return PackedLinear(lib.pack_linear(w.detach()), w.shape[0], lib.linear, amx)
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
 
 
@@ -61,8 +66,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor |
             bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(packed, PackedLinear):
         rows = x.reshape(-1, x.shape[-1])
-        lib = linear_lib()
-        op = lib.linear_amx if packed.amx and rows.shape[0] >= LINEAR_AMX_MIN_ROWS else lib.linear
+        op = packed.amx if packed.amx is not None and rows.shape[0] >= LINEAR_AMX_MIN_ROWS else packed.linear
         y = op(rows if rows.stride(-1) == 1 else rows.contiguous(), packed.data, packed.n)
         y = y.view(*x.shape[:-1], packed.n)
         return y if bias is None else y.add_(bias)

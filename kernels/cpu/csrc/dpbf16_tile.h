@@ -17,10 +17,10 @@ namespace trnd {
 
 constexpr int64_t TILE_COLS = 64;
 constexpr int TILE_MAX_R = 6;
-#ifndef PF_DIST
-#define PF_DIST 32
-#endif
-constexpr int64_t PF = PF_DIST;
+// How far ahead (in k-pairs) the weight stream is prefetched: 16 pairs = 4 KB of a block. The hardware
+// prefetcher alone left a one-row decode linear at ~13 GB/s; this distance lifted it to 17-19 GB/s (Intel
+// Sapphire Rapids, docs/RESULTS.md "Linears on AMX"). csrc/linear.cpp's AMX tile uses the same distance.
+constexpr int64_t PREFETCH_PAIRS = 16;
 
 template <int R>
 __attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int64_t xs, int64_t K, const bf16* blk,

@@ -77,8 +77,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const bf16* x, int64_
   _tile_zero(3);
   for (int64_t k = 0; k < K; k += 32) {
     const bf16* w = blk + k * BLOCK;  // k-pair k / 2
-    for (int64_t line = 0; line < 16 * PAIR; line += 64)  // the next step's 16 k-pairs (dpbf16_tile.h's distance)
-      _mm_prefetch(reinterpret_cast<const char*>(w) + 16 * PAIR + line, _MM_HINT_T0);
+    for (int64_t line = 0; line < 16 * PAIR; line += 64)  // the next step's 16 k-pairs, PREFETCH_PAIRS ahead
+      _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH_PAIRS * PAIR + line, _MM_HINT_T0);
     _tile_loadd(4, x + k, xs * sizeof(bf16));
     _tile_loadd(6, w, PAIR);
     _tile_dpbf16ps(0, 4, 6);
