@@ -74,7 +74,10 @@ def test_an_absent_or_refusing_peer_is_a_few_lines_and_roles_stop_without_a_trac
         assert 1 <= len(about) <= 3 and "ERROR" in about[0] and "unreachable" in about[0], decode.text()
         prefill = Output(start_role("prefill", tiny_qwen3, secret, control_port=ctrl, admin_port=admin))
         outs.append(prefill)
-        wait_ready(port, decode.proc, timeout=120)
+        try:
+            wait_ready(port, decode.proc, timeout=120)
+        except TimeoutError as e:  # both roles' own lines: wait_ready's capture is empty (Output reads stdout)
+            raise AssertionError(f"{e}\n--- decode:\n{decode.text()[-4000:]}\n--- prefill:\n{prefill.text()[-4000:]}")
         back = [ln for ln in decode.lines if f"prefill 127.0.0.1:{ctrl} handshaked" in ln]
         assert len(back) == 1 and re.search(r"after \d+ failed attempts over \d+ s", back[0]), decode.text()
         # A decode server the prefill server must refuse (another model): it retries with backoff.
