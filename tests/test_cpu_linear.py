@@ -179,8 +179,8 @@ def test_a_linear_takes_the_amx_kernel_from_its_row_count(monkeypatch, m):
 
 @pytest.mark.skipif(kcpu.linear_lib() is None, reason=f"the dpbf16 linear is not chosen here ({HOST.summary()})")
 def test_a_packed_linear_traces_in_one_graph():
-    """engine/compiled.py traces the model with fullgraph=True: the linear ops have shapes for tracing (no CPU
-    probe is read inside the forward, no graph break) and the traced call computes what the eager one does."""
+    """A packed model traced with fullgraph=True (as engine/compiled.py traces its model): the linear ops have
+    shapes for tracing, no CPU probe is read inside the forward, and the traced call computes what eager does."""
     torch.manual_seed(6)
     lin = Linear(64, 70, [Source("w")], torch.bfloat16, TP1)
     lin.weight.data.normal_()

@@ -100,8 +100,6 @@ def _register_fakes(name: str) -> None:
         torch.library.register_fake(f"{name}::prefill_attention_dpbf16")(
             lambda q, kv, layer, pages, prior, scale: q.new_empty(q.shape))
         # The bf16 linears (csrc/linear.cpp): a traced model with packed weights calls them at every Linear.
-        torch.library.register_fake(f"{name}::pack_linear")(  # [blocks of 64 columns][K/2][64][2]
-            lambda w: w.new_empty((-(-w.shape[0] // 64), w.shape[1] // 2, 64, 2)))
         for op in ("linear", "linear_amx"):
             torch.library.register_fake(f"{name}::{op}")(lambda x, packed, n: x.new_empty((x.shape[0], n)))
     torch.library.register_fake(f"{name}::qk_norm_rotary")(

@@ -41,8 +41,9 @@ def _ours(w: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class PackedLinear:
     """A weight in kernels/cpu/csrc/linear.cpp's layout (its columns padded to blocks of 64), its width and the
-    ops that take it, held here so a traced forward (engine/compiled.py) reads no CPU probe: `linear` (dpbf16)
-    and `amx` (`linear_amx`, where AMX runs and K is a multiple of 32) for calls of LINEAR_AMX_MIN_ROWS rows or more."""
+    ops that take it, chosen once at load so a step reads no CPU probe per call (nor a traced forward one):
+    `linear` (dpbf16) and `amx` (`linear_amx`, where AMX runs and K is a multiple of 32) for calls of
+    LINEAR_AMX_MIN_ROWS rows or more."""
     data: torch.Tensor
     n: int
     linear: Callable
