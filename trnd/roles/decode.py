@@ -141,7 +141,7 @@ class DecodeServer:
 
     async def _connect(self, peer: PrefillPeer) -> None:
         host, port = peer.addr.rsplit(":", 1)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
+        reader, writer = await P.dial(host, int(port), 5)
         chan = P.Channel(reader, writer, self.secret, name=f"prefill@{peer.addr}")
         regions = [P.PoolRegion(base, self.engine.pool.num_pages) for base in self.agent.bases]
         try:

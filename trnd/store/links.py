@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from trnd.log import Failures
 from trnd.store import protocol as S
+from trnd.transfer.protocol import dial
 
 log = logging.getLogger("trnd.store.client")
 
@@ -69,7 +70,7 @@ class Links:
 
     async def _connect(self, s: Store) -> None:
         host, port = s.addr.rsplit(":", 1)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 2.0)
+        reader, writer = await dial(host, int(port), 2.0)
         chan = S.StoreChannel(reader, writer, self.secret, name=f"store@{s.addr}")
         s.chan = chan
         await chan.answer(lambda n: S.StoreHello(self.manifest, self.agent.name, n), 5.0)
