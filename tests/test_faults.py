@@ -14,7 +14,6 @@ import time
 import httpx
 import pytest
 
-from trnd.procs import bind_port
 from trnd.transfer import protocol as P
 
 from .procs import admin_state, children, free_port, start_role, stop, wait_for, wait_ready
@@ -86,22 +85,6 @@ async def _replay(cp: int, frame: bytes) -> bytes:
         pass
     writer.close()
     return got
-
-
-def test_a_dial_that_reaches_itself_is_refused_and_frees_the_port():
-    """A local port nobody listens on, dialed from that same port, connects to itself (TCP simultaneous
-    open). dial refuses it and closes the socket, so the peer that starts there next can bind."""
-    port = free_port()
-
-    async def go():
-        with pytest.raises(ConnectionRefusedError, match="connected to itself"):
-            await P.dial("127.0.0.1", port, 5, local_addr=("127.0.0.1", port))
-        await asyncio.sleep(0)  # the transport's close runs on the next turn of the loop
-
-    asyncio.run(go())
-    with bind_port("127.0.0.1", port, "control_port") as s:  # the peer's listener can take the port now
-        s.listen()
-        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
 
 
 @pytest.fixture(scope="module")

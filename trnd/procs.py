@@ -1,11 +1,12 @@
 """Process plumbing shared by the roles, the benchmarks and the tests: free ports, binding a role's
-ports, readiness, the child's death with its parent, the exit status of a bad configuration."""
+ports and dialing a peer's, readiness, the child's death with its parent, the exit status of a bad configuration."""
 
 from __future__ import annotations
 
 import errno
 import signal
 import socket
+import struct
 import subprocess
 import time
 import urllib.error
@@ -50,6 +51,22 @@ def bind_port(host: str, port: int, field: str = "port") -> socket.socket:
         raise PortError(f"{field} = {port}: cannot bind {where}: {e.strerror}", code) from None
     sock.setblocking(False)
     return sock
+
+
+async def dial(host: str, port: int, timeout: float, local_addr: tuple[str, int] | None = None):
+    """Open a control connection, refusing one that reached itself. Dialing a local port nobody listens
+    on can pick that very port as the source (TCP simultaneous open): the connection "succeeds", waits
+    for a Challenge nobody sends, and holds the port, so the peer starting there cannot bind it. It is
+    reset, not closed: a closed one would hold the port in TIME_WAIT for a minute."""
+    import asyncio
+
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=local_addr), timeout)
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.getsockname() == sock.getpeername():
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # a reset: no TIME_WAIT left holding the port
+        raise ConnectionRefusedError(f"{host}:{port}: connected to itself (nobody listens there)")
+    return reader, writer
 
 
 def check_listening(server, where: str) -> None:

@@ -25,6 +25,7 @@ from trnd.engine.parked import Landing, Parked
 from trnd.engine.request import Req
 from trnd.engine.sampler import SampleOut
 from trnd.log import Failures
+from trnd.procs import dial
 from trnd.roles.common import build_engine, manifest, point_capacity
 from trnd.transfer import protocol as P
 from trnd.transfer.handoff import Awaited
@@ -141,7 +142,7 @@ class DecodeServer:
 
     async def _connect(self, peer: PrefillPeer) -> None:
         host, port = peer.addr.rsplit(":", 1)
-        reader, writer = await P.dial(host, int(port), 5)
+        reader, writer = await dial(host, int(port), 5)
         chan = P.Channel(reader, writer, self.secret, name=f"prefill@{peer.addr}")
         regions = [P.PoolRegion(base, self.engine.pool.num_pages) for base in self.agent.bases]
         try:

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from trnd.log import Failures
+from trnd.procs import dial
 from trnd.store import protocol as S
-from trnd.transfer.protocol import dial
 
 log = logging.getLogger("trnd.store.client")
 

@@ -19,8 +19,6 @@ import hashlib
 import hmac
 import logging
 import secrets
-import socket
-import struct
 
 import msgspec
 
@@ -32,20 +30,6 @@ PROTOCOL_VERSION = 2  # 2: SamplingParams carries grammar + logit_bias (a v1 pre
 MAX_FRAME = 64 * 2**20
 MAX_HANDSHAKE_FRAME = 64 * 2**10  # a Hello is ~2 KB (NIXL's agent metadata is ~0.5 KB)
 HANDSHAKE_TIMEOUT_S = 10.0
-
-
-async def dial(host: str, port: int, timeout: float, local_addr: tuple[str, int] | None = None):
-    """Open a control connection, refusing one that reached itself. Dialing a local port nobody listens
-    on can pick that very port as the source (TCP simultaneous open): the connection "succeeds", waits
-    for a Challenge nobody sends, and holds the port, so the peer starting there cannot bind it. It is
-    reset, not closed: a closed one would hold the port in TIME_WAIT for a minute."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=local_addr), timeout)
-    sock = writer.get_extra_info("socket")
-    if sock is not None and sock.getsockname() == sock.getpeername():
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        writer.transport.abort()  # a reset: no TIME_WAIT left holding the port
-        raise ConnectionRefusedError(f"{host}:{port}: connected to itself (nobody listens there)")
-    return reader, writer
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
