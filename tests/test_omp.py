@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 SCRIPT = r"""
-import os, threading
+import os, threading, time
 import torch
 import trnd
 from trnd.backends.omp import _libgomp, release_threads, single_threaded
@@ -21,6 +21,10 @@ before = tasks()
 x @ x  # a parallel region on the main thread: its pool of workers appears
 with_pool = tasks()
 release_threads()
+# the workers leave after a barrier, detached: /proc drops them a moment later (bounded wait)
+deadline = time.monotonic() + 10
+while tasks() >= with_pool and time.monotonic() < deadline:
+    time.sleep(0.01)
 released = tasks()
 
 def helper():
