@@ -132,7 +132,7 @@ def test_client_disconnect_aborts_on_prefill_quickly(dep):
     with httpx.stream("POST", f"http://127.0.0.1:{dep.port}/v1/completions",
                       json={"model": "m", "prompt": long, "max_tokens": 50, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
-        wait_for(lambda: admin_state(dep.prefills[0][2])["running"], timeout=10, interval=0.01)
+        assert wait_for(lambda: admin_state(dep.prefills[0][2])["running"], timeout=10, interval=0.01)
     assert wait_for(lambda: not admin_state(dep.prefills[0][2])["running"], timeout=1.0, interval=0.02)
     assert wait_for(dep.baseline_ok)
 

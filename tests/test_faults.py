@@ -274,7 +274,7 @@ def test_local_deployment_auth_bind_reload_and_drain(tiny_qwen3, tmp_path):
         threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
         for t in threads:
             t.start()
-        wait_for(lambda: admin_state_key(port, new)["running"], timeout=30, interval=0.01)
+        assert wait_for(lambda: admin_state_key(port, new)["running"], timeout=30, interval=0.01)
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
