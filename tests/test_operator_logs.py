@@ -68,10 +68,12 @@ def test_an_absent_or_refusing_peer_is_a_few_lines_and_roles_stop_without_a_trac
     try:
         decode = Output(start_role("decode", tiny_qwen3, secret, "--prefill", f"127.0.0.1:{ctrl}", port=port))
         outs.append(decode)
-        assert wait_for(lambda: any(f"prefill 127.0.0.1:{ctrl}:" in ln for ln in decode.lines), timeout=60), \
-            decode.text()  # the first failed attempt is logged
+        def lines_about():
+            return [ln for ln in decode.lines if f"prefill 127.0.0.1:{ctrl}:" in ln]
+
+        assert wait_for(lines_about, timeout=60), decode.text()  # the first failed attempt is logged
         time.sleep(12)  # ~7 more attempts to reach the absent prefill server, and still 1-3 lines about it
-        about = [ln for ln in decode.lines if f"prefill 127.0.0.1:{ctrl}:" in ln]
+        about = lines_about()
         assert 1 <= len(about) <= 3 and "ERROR" in about[0] and "unreachable" in about[0], decode.text()
         prefill = Output(start_role("prefill", tiny_qwen3, secret, control_port=ctrl, admin_port=admin))
         outs.append(prefill)

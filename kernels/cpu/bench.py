@@ -1,6 +1,6 @@
 """Microbenchmark: the compiled CPU kernels vs their torch references, one layer's call at a time.
 
-    python -m kernels.cpu.bench [--batch 16] [--ctx 512 1024] [--dtype float32 bfloat16]
+    python -m kernels.cpu.bench [--batch 16] [--ctx 512 1024] [--dtype float32 bfloat16] [--layers 12]
 
 Shapes default to the `small` checkpoint (12 query heads, 4 KV heads, head_dim 64, page 16). Prints the
 CPU model and flags first; each time is the fastest of --iters calls (other sessions share the cores: they
@@ -10,6 +10,7 @@ only add time, so the minimum is the least noisy figure).
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -50,6 +51,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[1, 8, 32, 128],
                     help="chunk lengths for prefill attention after a --ctx prefix")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="decode calls take these pool layers in turn: 1 stays in cache, the model's 12 (small) "
+                         "are read from DRAM as in a model step")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     a = ap.parse_args(argv)
     if a.threads:
@@ -73,11 +77,13 @@ def main(argv=None) -> None:
         dt = getattr(torch, dname)
         for b in a.batch:
             for ctx in (c for c in a.ctx if c > 0):  # a decode row attends at least itself; 0 is a prefill prefix
-                kv, pages = _pool(b, ctx, hk, p, d, dt)
+                kv, pages = _pool(b, ctx, hk, p, d, dt, a.layers + 1)
+                turn = itertools.cycle(range(1, a.layers + 1))  # layer 0 stays unread, as before --layers
                 q = torch.randn(b, hq, d).to(dt)
                 meta = AttnMeta(None, None, b, pages, torch.full((b,), ctx), [])
-                ref = _time(lambda: attention.decode_attention(q, kv, 1, meta, scale), a.iters)
-                got = [_time(lambda o=o: o.decode_attention(q, kv, 1, meta, scale), a.iters) for _, o in builds]
+                ref = _time(lambda: attention.decode_attention(q, kv, next(turn), meta, scale), a.iters)
+                got = [_time(lambda o=o: o.decode_attention(q, kv, next(turn), meta, scale), a.iters)
+                       for _, o in builds]
                 print(f"| decode_attention | {dname} | {b} | {ctx} | {ref:.3f} | "
                       + " | ".join(f"{g:.3f}" for g in got) + f" | {ref / min(got):.1f} |")
                 k, v = torch.randn(b, hk, d).to(dt), torch.randn(b, hk, d).to(dt)
