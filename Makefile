@@ -5,6 +5,11 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
+# Most of the suite's time is tests waiting on the real processes they start (imports, handshakes,
+# deadlines), so two workers overlap those even on two cores: 15:42 against 23:23 for the whole suite here.
+# --dist loadfile keeps each file on one worker, so a module fixture (a booted systemd, a compile cache) is
+# made once. TEST_JOBS=0 runs it in this process, one test at a time.
+TEST_JOBS ?= 2
 
 .PHONY: serve test test-fast venv clean
 
@@ -29,10 +34,10 @@ serve: venv
 	$(BIN)/trnd serve $(ARGS)
 
 test: venv
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis kernels/cpu/build

@@ -42,3 +42,13 @@ def tiny_llama(models_dir):
 @pytest.fixture(scope="session", params=["qwen3", "llama"])
 def tiny_model(request, tiny_qwen3, tiny_llama):
     return tiny_qwen3 if request.param == "qwen3" else tiny_llama
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most slow tests first, each file's own order kept: under `make test`'s workers
+    (--dist loadfile) the long files start at once instead of one of them running alone at the end."""
+    slow: dict = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    order = {item: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-slow[item.path], order[item]))
