@@ -85,6 +85,13 @@ def cpu_info() -> CpuInfo:
 
 
 @lru_cache(maxsize=1)
+def hardware_isa() -> str:
+    """The level the silicon has, whatever TRND_CPU_ISA says: what decides whether a build can be loaded at
+    all (the cap only chooses which path runs; a capped AVX-512 host can still load the AVX-512 build)."""
+    return _level(_read_cpuinfo()[1])
+
+
+@lru_cache(maxsize=1)
 def onednn_bf16_prepack() -> bool:
     """oneDNN's bf16 weight reorder runs here: tried once on a tiny weight, since torch's message
     ("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq") is the only

@@ -323,6 +323,29 @@ def test_a_missing_build_is_reported_not_fatal(tmp_path, monkeypatch):
     assert lib is None and "built for torch 1.0.0" in why
 
 
+def test_a_build_this_cpu_cannot_run_is_refused_not_loaded(monkeypatch):
+    """Loading the AVX-512 build on an AVX2-only CPU would kill the process (SIGILL in its op registration),
+    so load_library refuses it by the silicon's level, and says why."""
+    monkeypatch.setattr(kcpu, "hardware_isa", lambda: "avx2")
+    lib, why = kcpu.load_library("trnd_avx512")
+    assert lib is None and "trnd_avx512 needs a CPU with avx512; this one is avx2" in why
+    monkeypatch.setattr(kcpu, "hardware_isa", lambda: "default")
+    lib, why = kcpu.load_library("trnd_avx2")
+    assert lib is None and "needs a CPU with avx2" in why
+
+
+def test_building_loads_nothing():
+    """`python -m kernels.cpu.build` compiles every variant on every host, so it must not load them: before,
+    it died of SIGILL on an AVX2-only CPU right after building the AVX-512 library (make venv failed there).
+    The builds are up to date here (make venv), so ninja has nothing to do and this is quick."""
+    code = ("import torch\nfrom kernels.cpu import build\n"
+            "for name in build.VARIANTS:\n    build.build(name)\n"
+            "print(sorted(n for n in build.VARIANTS if hasattr(getattr(torch.ops, n), 'rms_norm')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-1] == "[]", r.stdout
+
+
 def test_engine_runs_the_compiled_kernels_token_identical(tiny_qwen3):
     """The CPU backend's table holds the compiled kernels here, and greedy output equals the torch ops'."""
     if HOST_LEVEL < 1:

@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 
 from kernels import TORCH_OPS, Ops, activation, attention, norm, rotary
-from kernels.cpuinfo import CpuInfo, cpu_info
+from kernels.cpuinfo import LEVELS, CpuInfo, cpu_info, hardware_isa
 
 log = logging.getLogger("trnd.kernels")
 
@@ -60,11 +60,24 @@ def amx_usable(info: CpuInfo, name: str, lib) -> bool:
     return name == "trnd_avx512" and lib is not None and "amx_bf16" in info.flags and lib.amx_ready()
 
 
+def runs_here(variant: str) -> str:
+    """"" if this CPU can run a build of `variant` (build.VARIANTS), else why not: loading one it cannot run
+    dies of SIGILL at once (its op registration is compiled for that ISA too), with no Python error to catch."""
+    from kernels.cpu import build
+
+    need, have = build.REQUIRES[variant], hardware_isa()
+    if LEVELS.index(have) >= LEVELS.index(need):
+        return ""
+    return f"{variant} needs a CPU with {need}; this one is {have} ({cpu_info().model})"
+
+
 def load_library(name: str) -> tuple[object | None, str]:
     """torch.ops.<name> with its ops loaded, or None and why not."""
     from kernels.cpu import build
 
     path, stamp = build.library_path(name), build.stamp_path(name)
+    if why := runs_here(name):
+        return None, why
     if not path.exists():
         return None, f"{path} is not built (`python -m kernels.cpu.build` does, `make venv` runs it)"
     built_for = stamp.read_text().strip() if stamp.exists() else "an unknown torch"

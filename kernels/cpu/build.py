@@ -4,7 +4,9 @@ The sources (csrc/*.cpp), one shared library per ISA level, each registering its
 namespace (torch.ops.trnd_avx2, torch.ops.trnd_avx512) so both can be loaded in one process (the tests
 compare them). The flags name ISA levels explicitly, never -march=native: a build made on an AVX-512 host
 must still run on an AVX2-only one. The AVX-512 build is made on every host (it only needs the compiler),
-and is loaded only where kernels/cpuinfo.py finds AVX-512.
+and is loaded only where kernels/cpuinfo.py finds AVX-512 (kernels/cpu/__init__.py's load_library): building
+never loads what it built, since even the op registration that runs at load is compiled for the variant's
+ISA (gcc vectorises torch's schema inference with zmm registers: SIGILL on an AVX2-only CPU).
 
 Each library lands in kernels/cpu/build/<name>/ with a stamp of the torch version it was built against;
 kernels/cpu/__init__.py loads nothing whose stamp does not match (the C++ ABI is torch's).
@@ -29,6 +31,8 @@ VARIANTS = {
     "trnd_avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
 SOURCES = ("attention.cpp", "elementwise.cpp", "linear.cpp", "prefill_amx.cpp", "prefill_dpbf16.cpp")
+# name -> the kernels/cpuinfo.py level a CPU needs to run it
+REQUIRES = {"trnd_avx2": "avx2", "trnd_avx512": "avx512"}
 COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # no FMA not written as one
 
 
@@ -51,12 +55,14 @@ def build(name: str, verbose: bool = False, variant: str | None = None, src: Pat
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     out = out or BUILD / name
     out.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
+    # cpp_extension.load() would also load the library into this process; its ninja step alone does not
+    # (private, but torch is pinned: the Makefile and pyproject name the version).
+    cpp_extension._write_ninja_file_and_build_library(
         # an earlier revision may predate a source file; ours must have every one (a missing file fails here)
         name=name, sources=[str(src / f) for f in SOURCES if src == SRC or (src / f).exists()],
-        extra_include_paths=[str(src)],
-        extra_cflags=COMMON + VARIANTS[variant or name] + [f"-DTRND_LIB={name}"], extra_ldflags=["-fopenmp"],
-        build_directory=str(out), is_python_module=False, verbose=verbose)
+        extra_cflags=COMMON + VARIANTS[variant or name] + [f"-DTRND_LIB={name}"], extra_cuda_cflags=[],
+        extra_sycl_cflags=[], extra_ldflags=["-fopenmp"], extra_include_paths=[str(src)],
+        build_directory=str(out), verbose=verbose, with_cuda=False, with_sycl=False)
     (out / "torch_version").write_text(torch.__version__)
     return out / f"{name}.so"
 

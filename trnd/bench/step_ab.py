@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import CompiledOps, build, compiled, ops_table
+from kernels.cpu import CompiledOps, build, compiled, ops_table, runs_here
 from kernels.cpuinfo import cpu_info
 from trnd.bench.step import _swap, decode_batch
 
@@ -28,6 +28,8 @@ CSRC = "kernels/cpu/csrc"
 
 def build_rev(rev: str, variant: str, work: Path):
     """torch.ops.trnd_ab_<variant>: the kernels of REV's csrc, compiled as ours are (build.VARIANTS)."""
+    if why := runs_here(variant):
+        raise SystemExit(f"--build {variant}: {why}")
     root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                                check=True).stdout.strip())
     src = work / "csrc"
