@@ -426,6 +426,26 @@ def test_ui_stays_responsive_with_a_slow_and_a_refused_target():
         slow.close()
 
 
+def test_a_poll_landing_while_the_console_shuts_down_does_not_crash_it():
+    """A poll worker repaints between awaits; Textual removes the widgets (leaves first) before it stops the
+    workers, so a repaint can meet a half-removed screen. It did in CI (NoMatches, the app's exception
+    re-raised at exit); a worker repainting without pause meets it at every exit."""
+    async def go():
+        app = TopApp([parse_target(f"127.0.0.1:{free_port()}")], interval=1.0, timeout=1.0, autopoll=False)
+
+        async def repaint():
+            while True:
+                app.apply(app.tracks[0].name, Poll(states("serve")[0], ready="ready"))
+                await asyncio.sleep(0)
+
+        async with app.run_test(size=(120, 40)) as pilot:
+            app.run_worker(repaint())
+            assert await until(pilot, lambda: bool(app.query_one(BatchPanel).rows))
+
+    for _ in range(3):
+        asyncio.run(go())
+
+
 def test_api_key_errors_show_as_error():
     fake = FakeTrnd(states("serve")).start()
     try:

@@ -21,6 +21,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Static, TabbedContent, TabPane
 
@@ -247,16 +248,17 @@ class TopApp(App):
 
     def refresh_views(self) -> None:
         self.opts.now = self.clock()
-        if not self.query(TabbedContent):  # shutting down: the screen is gone
+        # A poll worker may land here while the app shuts down and removes its widgets, leaves first (Textual
+        # stops the workers after that): any panel, or any widget inside one, may be gone by then.
+        try:
+            with self.batch_update():
+                for panel in (NodesPanel, BatchPanel, CachePanel, TransfersPanel):
+                    self.query_one(panel).show(self.tracks, self.opts)
+                for screen in self.screen_stack:
+                    if isinstance(screen, RequestScreen):
+                        screen.update_row(self.find_request(screen.key))
+        except NoMatches:
             return
-        with self.batch_update():
-            self.query_one(NodesPanel).show(self.tracks, self.opts)
-            self.query_one(BatchPanel).show(self.tracks, self.opts)
-            self.query_one(CachePanel).show(self.tracks, self.opts)
-            self.query_one(TransfersPanel).show(self.tracks, self.opts)
-            for screen in self.screen_stack:
-                if isinstance(screen, RequestScreen):
-                    screen.update_row(self.find_request(screen.key))
 
     def find_request(self, key: str) -> ReqRow | None:
         return next((r for t in self.tracks for r in t.requests() if r.key == key), None)
