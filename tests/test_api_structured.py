@@ -31,7 +31,7 @@ SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 
 @pytest.fixture(scope="module", params=["disaggregated", "aggregated"])
 def server(request, tmp_path_factory):
-    args = ("--kv-memory-gb", "0.15", *(("--aggregated",) if request.param == "aggregated" else ()))
+    args = ("--kv-memory-gb", "0.3", *(("--aggregated",) if request.param == "aggregated" else ()))
     s = Server(ensure_model("small"), tmp_path_factory.mktemp(request.param), *args, max_model_len=2048)
     yield s
     s.stop()

@@ -126,6 +126,11 @@ def test_stop_while_loading_or_serving_leaves_no_traceback(tiny_qwen3, tmp_path,
         time.sleep(0.05)
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # say where it hung: faulthandler dumps every thread on SIGABRT
+            proc.send_signal(signal.SIGABRT)
+            out, _ = proc.communicate(timeout=30)
+            pytest.fail(f"{role} still running 60 s after SIGTERM at {delay} s:\n{out[-6000:]}")
         assert proc.returncode in (0, -signal.SIGTERM), out  # -15: the signal came before Python set its handlers
         assert "Traceback" not in out and "Exception ignored" not in out, out
