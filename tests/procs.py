@@ -4,13 +4,40 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
-from trnd.procs import free_port  # noqa: F401  (tests import it from here)
+from trnd.procs import free_port as _free_port
+
+# `make test` runs two pytest-xdist workers; each hands out only its own residue of the port numbers, so
+# two tests on different workers are never given the same port (trnd.procs.free_port remembers only its
+# own process's picks).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+
+
+def free_port() -> int:
+    """A loopback port free now, never handed out before by this test process nor by another worker's."""
+    while (port := _free_port()) % _WORKERS != _WORKER % _WORKERS:
+        pass
+    return port
+
+_held: list[socket.socket] = []
+
+
+def refused_port() -> int:
+    """A loopback port where nothing answers, for a peer that is down: held bound (without SO_REUSEADDR)
+    and never listened on, for the life of this test process, so a connect is refused and no other process
+    can take it. A port that is merely free now may be bound by the next process that asks, e.g. a role of
+    a test on the other `make test` worker, which a role here would then reach as its peer."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _held.append(s)
+    return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

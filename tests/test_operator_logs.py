@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.procs import admin_state, free_port, start_role, stop, wait_for, wait_ready
+from tests.procs import admin_state, free_port, refused_port, start_role, stop, wait_for, wait_ready
 from trnd.log import Failures
 
 
@@ -111,9 +111,9 @@ def test_stop_while_loading_or_serving_leaves_no_traceback(tiny_qwen3, tmp_path,
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
     args = {"decode": ["decode", "--model", str(tiny_qwen3), "--secret-file", str(secret), "--prefill",
-                       f"127.0.0.1:{free_port()}"],
+                       f"127.0.0.1:{refused_port()}"],
             "prefill": ["prefill", "--model", str(tiny_qwen3), "--secret-file", str(secret)],
-            "router": ["router", "--target", f"127.0.0.1:{free_port()}", "--model", str(tiny_qwen3)],
+            "router": ["router", "--target", f"127.0.0.1:{refused_port()}", "--model", str(tiny_qwen3)],
             "store": ["store", "--secret-file", str(secret), "--memory-gb", "0.01"]}[role]
     for delay in (2.0, 5.0):
         ports = (["--control-port", str(free_port()), "--admin-port", str(free_port())] if role in ("prefill", "store")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.procs import free_port
+from tests.procs import free_port, refused_port
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -173,7 +173,7 @@ def test_a_port_another_process_listens_on_first_ends_the_role_with_exit_1(tiny_
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
     port = free_port()
-    argv = (["decode", "--port", str(port), "--prefill", f"127.0.0.1:{free_port()}"] if role == "decode" else
+    argv = (["decode", "--port", str(port), "--prefill", f"127.0.0.1:{refused_port()}"] if role == "decode" else
             ["prefill", "--control-port", str(port), "--admin-port", str(free_port())])
 
     def role_bound(proc):

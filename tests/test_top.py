@@ -24,7 +24,7 @@ from trnd.top.fmt import short_id, sparkline
 from trnd.top.model import NodeTrack, Poll, sort_rows
 from trnd.top.panels import BatchPanel, CacheCard, NodesPanel
 
-from .procs import free_port, start_serve, stop, wait_ready
+from .procs import free_port, refused_port, start_serve, stop, wait_ready
 
 DATA = Path(__file__).parent / "top_data"
 
@@ -360,7 +360,7 @@ def test_poll_unix_socket_with_api_key(tmp_path):
 
 def test_once_prints_every_target_and_fails_if_one_is_down():
     fake = FakeTrnd(states("serve")).start()
-    down = f"127.0.0.1:{free_port()}"
+    down = f"127.0.0.1:{refused_port()}"
     try:
         out = io.StringIO()
         with redirect_stdout(out):

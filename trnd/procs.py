@@ -60,7 +60,9 @@ async def dial(host: str, port: int, timeout: float, local_addr: tuple[str, int]
     reset, not closed: a closed one would hold the port in TIME_WAIT for a minute."""
     import asyncio
 
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=local_addr), timeout)
+    from trnd.aio import within
+
+    reader, writer = await within(asyncio.open_connection(host, port, local_addr=local_addr), timeout)
     sock = writer.get_extra_info("socket")
     if sock is not None and sock.getsockname() == sock.getpeername():
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from trnd import snapshot as S
+from trnd.aio import within
 from trnd.api.auth import APIKeyMiddleware, find_api_key_middleware, key_swap
 from trnd.api.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
 from trnd.api.metrics import Metrics
@@ -187,7 +188,7 @@ async def _on_loop(st: AppState, fn: Callable[[], object]):
     if st.loop.error is not None:
         raise APIError(503, "The engine loop has crashed", code="engine_error")
     try:
-        return await asyncio.wait_for(st.loop.run_on_loop(fn), LOOP_TIMEOUT_S)
+        return await within(st.loop.run_on_loop(fn), LOOP_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise APIError(503, f"The engine loop did not answer within {LOOP_TIMEOUT_S} s", code="engine_busy") from None
 
@@ -223,7 +224,7 @@ async def admin_abort(request: Request) -> Response:
     rids = list(st.active.get(rid, [rid]))
     futures = [asyncio.wrap_future(st.loop.abort(r)) for r in rids]
     try:
-        results = await asyncio.wait_for(asyncio.gather(*futures), LOOP_TIMEOUT_S)
+        results = await within(asyncio.gather(*futures), LOOP_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise APIError(503, f"The engine loop did not answer within {LOOP_TIMEOUT_S} s", code="engine_busy") from None
     aborted = [r for r, ok in zip(rids, results) if ok]

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 
 from trnd import snapshot as S
+from trnd.aio import within
 from trnd.engine.loop import EngineLoop
 from trnd.engine.output import StepOutput
 
@@ -78,7 +79,7 @@ class Metrics:
         """Refresh the gauges from the engine's State (trnd/snapshot.py, as /admin/state has it; skipped
         if the loop does not answer in time) and render."""
         try:
-            st = await asyncio.wait_for(loop.run_on_loop(loop.engine.state), timeout)
+            st = await within(loop.run_on_loop(loop.engine.state), timeout)
         except (asyncio.TimeoutError, RuntimeError):
             pass  # a stuck loop: /health reports it; the counters are still worth serving
         else:

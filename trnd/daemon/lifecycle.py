@@ -34,6 +34,7 @@ from typing import Protocol
 
 import msgspec
 
+from trnd.aio import within
 from trnd.config import ConfigError
 from trnd.daemon import notify
 
@@ -243,7 +244,7 @@ class Lifecycle:
 
     async def _wait_stop(self, timeout: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stop_event.wait(), timeout)
+            await within(self._stop_event.wait(), timeout)
 
     def _http_died(self, task: asyncio.Task, http) -> int:
         """E.g. listen() on the port bound at start lost it to another process in between: one line

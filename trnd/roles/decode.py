@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from trnd import snapshot as S
+from trnd.aio import within
 from trnd.config import DecodeConfig
 from trnd.engine import trace
 from trnd.engine.loop import DeadlineExceeded, EngineLoop, Unavailable
@@ -148,7 +149,7 @@ class DecodeServer:
         try:
             await chan.answer(lambda nonce: P.Hello(self.manifest, self.agent.name, self.agent.metadata(), regions,
                                                     nonce))
-            reply = await asyncio.wait_for(chan.recv(strict=True), 10)
+            reply = await within(chan.recv(strict=True), 10)
         except BaseException:
             chan.close()
             raise
@@ -184,7 +185,7 @@ class DecodeServer:
         pinger = asyncio.create_task(self._pinger(peer))
         try:
             while True:
-                msg = await asyncio.wait_for(chan.recv(), self.cfg.peer_timeout_s)
+                msg = await within(chan.recv(), self.cfg.peer_timeout_s)
                 peer.last_seen = time.monotonic()
                 if isinstance(msg, P.KVDone):
                     self.loop.call(lambda m=msg: self.awaited.kv_done(m.rid, m))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import httpx
 
+from trnd.aio import within
 from trnd.config import ConfigError, RouterConfig
 from trnd.daemon import notify
 from trnd.router.app import RouterState, build_app
@@ -81,7 +82,7 @@ async def _main(cfg: RouterConfig, tokenizer, reload_source, sock) -> int:
                 notify.status("waiting for a healthy target: " + "; ".join(
                     f"{t.addr}: {t.error or 'probing'}" for t in targets.all))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.2)
+                await within(stop.wait(), 0.2)
         notify.stopping()
         st.draining = True
         deadline = time.monotonic() + cfg.drain_timeout_s

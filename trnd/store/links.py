@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from trnd.aio import within
 from trnd.log import Failures
 from trnd.procs import dial
 from trnd.store import protocol as S
@@ -74,7 +75,7 @@ class Links:
         chan = S.StoreChannel(reader, writer, self.secret, name=f"store@{s.addr}")
         s.chan = chan
         await chan.answer(lambda n: S.StoreHello(self.manifest, self.agent.name, n), 5.0)
-        reply = await asyncio.wait_for(chan.recv(strict=True), 5.0)
+        reply = await within(chan.recv(strict=True), 5.0)
         if isinstance(reply, S.Refused):
             s.refused = reply.reason
             raise ConnectionError(f"refused this client: {reply.reason}")
@@ -103,7 +104,7 @@ class Links:
         try:
             while True:
                 try:
-                    msg = await asyncio.wait_for(s.chan.recv(), self.peer_timeout_s)
+                    msg = await within(s.chan.recv(), self.peer_timeout_s)
                 except TimeoutError:
                     raise ConnectionError(f"no frame for {self.peer_timeout_s} s (heartbeat)") from None
                 if isinstance(msg, S.Pong):
@@ -165,7 +166,7 @@ class Links:
 
         async def send():
             try:
-                await asyncio.wait_for(chan.send(msg), 5.0)
+                await within(chan.send(msg), 5.0)
             except (ConnectionError, OSError, TimeoutError) as e:
                 log.debug("send %s to %s: %s", type(msg).__name__, s.addr, e)
 

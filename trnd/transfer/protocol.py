@@ -22,6 +22,7 @@ import secrets
 
 import msgspec
 
+from trnd.aio import within
 from trnd.sampling_params import SamplingParams
 
 log = logging.getLogger("trnd.control")
@@ -201,13 +202,13 @@ class Channel:
         ours = new_nonce()
         await self.send(Challenge(ours))
         self.key = hello_key(self.secret, ours)
-        msg = await asyncio.wait_for(self.recv(strict=True), timeout)
+        msg = await within(self.recv(strict=True), timeout)
         return msg, ours
 
     async def answer(self, make_hello, timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
         """Connecting side: wait for the Challenge, send make_hello(our nonce) under hello_key, then
         switch to the session key (the reply, Welcome or Refused, comes under it)."""
-        msg = await asyncio.wait_for(self.recv(strict=True), timeout)
+        msg = await within(self.recv(strict=True), timeout)
         if not isinstance(msg, Challenge):
             raise ChannelClosed(f"{self.name}: expected a Challenge, got {type(msg).__name__}")
         ours = new_nonce()
