@@ -13,7 +13,7 @@ from functools import cached_property
 
 from kernels import Ops
 from kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_lib
-from kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack
+from kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack, onednn_fp32_prepack
 from trnd.backends.base import Backend
 
 
@@ -41,7 +41,9 @@ class CPUBackend(Backend):
 def cpu_paths(dtype: str, why: str) -> dict[str, str]:
     """The CPU fast paths this process takes, for the start-up log line, `trnd check cpu` and bench tables."""
     info = cpu_info()
-    if dtype != "bfloat16":
+    if dtype == "float32" and onednn_fp32_prepack():
+        prepack = "oneDNN float32 prepacked"
+    elif dtype != "bfloat16":
         prepack = f"F.linear ({dtype})"
     elif linear_lib() is not None:
         amx = f", AMX from {LINEAR_AMX_MIN_ROWS} rows" if linear_amx() else ""

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_lib
-from kernels.cpuinfo import onednn_bf16_prepack
+from kernels.cpuinfo import onednn_bf16_prepack, onednn_fp32_prepack
 from trnd.parallel import TPGroup
 
 
@@ -29,13 +29,18 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 def _can_prepack(w: torch.Tensor) -> bool:
     """Capability, not presence: our dpbf16 linear needs avx512_bf16, oneDNN's bf16 reorder AVX-512 (BW/VL/DQ)
-    or AVX-NE-CONVERT, so on an AVX2-only CPU the plain F.linear path is taken (kernels/ probes both once)."""
-    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and (_ours(w) or onednn_bf16_prepack())
+    or AVX-NE-CONVERT, so on an AVX2-only CPU bf16 takes the plain F.linear path; fp32 is prepacked by oneDNN
+    where that beats F.linear (kernels.cpuinfo.onednn_fp32_prepack). kernels/ probes each once."""
+    if w.device.type != "cpu":
+        return False
+    if w.dtype == torch.float32:
+        return onednn_fp32_prepack()
+    return w.dtype == torch.bfloat16 and (_ours(w) or onednn_bf16_prepack())
 
 
 def _ours(w: torch.Tensor) -> bool:
-    """csrc/linear.cpp packs it: the kernel runs on this CPU (kernels.cpu.linear_lib) and K is even."""
-    return linear_lib() is not None and w.shape[-1] % 2 == 0
+    """csrc/linear.cpp packs it: a bf16 weight, the kernel runs on this CPU (kernels.cpu.linear_lib), K is even."""
+    return w.dtype == torch.bfloat16 and linear_lib() is not None and w.shape[-1] % 2 == 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | PackedLinear | None = None
 
     def prepack(self) -> bool:
-        """Replace the weight by its packed form (bf16 on CPU only, see _prepacked); the plain weight is freed."""
+        """Replace the weight by its packed form (on CPU, where _can_prepack says); the plain weight is freed."""
         if self.packed is not None or not _can_prepack(self.weight):
             return False
         self.packed = _prepacked(self.weight)
