@@ -89,5 +89,6 @@ def report() -> list[str]:
         f"{torch.get_num_threads()} threads",
         f"dtype:        {why}",
         f"bf16 linears: {bf16['linears']}",
+        f"fp32 linears: {cpu_paths('float32', 'requested')['linears']}",
         f"attention:    {paths['attention']}",
     ]
