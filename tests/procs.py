@@ -11,20 +11,7 @@ import time
 
 import httpx
 
-from trnd.procs import free_port as _free_port
-
-# `make test` runs two pytest-xdist workers; each hands out only its own residue of the port numbers, so
-# two tests on different workers are never given the same port (trnd.procs.free_port remembers only its
-# own process's picks).
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-
-
-def free_port() -> int:
-    """A loopback port free now, never handed out before by this test process nor by another worker's."""
-    while (port := _free_port()) % _WORKERS != _WORKER % _WORKERS:
-        pass
-    return port
+from trnd.procs import free_port  # noqa: F401  (tests import it from here)
 
 _held: list[socket.socket] = []
 
