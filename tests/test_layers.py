@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest floor first. A module imports its own room (the longest prefix below that names it) or a room
 # on a lower floor; never one beside it or above it.
 FLOORS = [
-    ["kernels", "trnd", "trnd.log", "trnd.points", "trnd.parallel", "trnd.procs", "trnd.sampling_params",
+    ["kernels", "trnd", "trnd.aio", "trnd.log", "trnd.points", "trnd.parallel", "trnd.procs", "trnd.sampling_params",
      "trnd.snapshot"],
     ["trnd.config"],
     ["trnd.backends", "trnd.daemon", "trnd.transfer", "trnd.top"],

@@ -60,9 +60,8 @@ async def dial(host: str, port: int, timeout: float, local_addr: tuple[str, int]
     reset, not closed: a closed one would hold the port in TIME_WAIT for a minute."""
     import asyncio
 
-    from trnd.aio import within
-
-    reader, writer = await within(asyncio.open_connection(host, port, local_addr=local_addr), timeout)
+    async with asyncio.timeout(timeout):  # not wait_for: it can lose a cancellation (trnd/aio.py)
+        reader, writer = await asyncio.open_connection(host, port, local_addr=local_addr)
     sock = writer.get_extra_info("socket")
     if sock is not None and sock.getsockname() == sock.getpeername():
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

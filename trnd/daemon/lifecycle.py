@@ -34,7 +34,6 @@ from typing import Protocol
 
 import msgspec
 
-from trnd.aio import within
 from trnd.config import ConfigError
 from trnd.daemon import notify
 
@@ -244,7 +243,8 @@ class Lifecycle:
 
     async def _wait_stop(self, timeout: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
-            await within(self._stop_event.wait(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: it can lose a cancellation (trnd/aio.py)
+                await self._stop_event.wait()
 
     def _http_died(self, task: asyncio.Task, http) -> int:
         """E.g. listen() on the port bound at start lost it to another process in between: one line

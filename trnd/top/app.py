@@ -25,7 +25,6 @@ from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Static, TabbedContent, TabPane
 
-from trnd.aio import within
 from trnd.top.client import Client, Target
 from trnd.top.fmt import fmt_duration, fmt_rate
 from trnd.top.model import SORTS, NodeTrack, Poll, ReqRow
@@ -230,7 +229,8 @@ class TopApp(App):
             if not self.paused:
                 self.apply(track.name, await client.poll())
             try:
-                await within(wake.wait(), max(0.0, self.interval - (self.clock() - started)))
+                async with asyncio.timeout(max(0.0, self.interval - (self.clock() - started))):  # as trnd/aio.py
+                    await wake.wait()
             except asyncio.TimeoutError:
                 pass
             wake.clear()
