@@ -38,8 +38,10 @@ class CpuInfo:
         return f"{self.model}; flags: {shown}; isa {self.isa}{cap}"
 
 
-def _read_cpuinfo() -> tuple[str, set[str]]:
-    model, flags = platform.processor() or platform.machine(), set()
+@lru_cache(maxsize=1)
+def _read_cpuinfo() -> tuple[str, str, frozenset[str]]:
+    """(model name, vendor_id, flags) from /proc/cpuinfo, read once."""
+    model, vendor, flags = platform.processor() or platform.machine(), "", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -47,11 +49,13 @@ def _read_cpuinfo() -> tuple[str, set[str]]:
                 key = key.strip()
                 if key == "model name" and model in ("", platform.machine(), platform.processor()):
                     model = value.strip()
+                elif key == "vendor_id" and not vendor:
+                    vendor = value.strip()
                 elif key in ("flags", "Features") and not flags:
                     flags = set(value.split())
     except OSError:
         pass
-    return model, flags
+    return model, vendor, frozenset(flags)
 
 
 def _level(flags: set[str]) -> str:
@@ -72,7 +76,7 @@ def _cap(flags: set[str], level: str) -> set[str]:
 
 @lru_cache(maxsize=1)
 def cpu_info() -> CpuInfo:
-    model, flags = _read_cpuinfo()
+    model, _, flags = _read_cpuinfo()
     level = _level(flags)
     want = os.environ.get(ISA_ENV, "").strip().lower()
     capped = False
@@ -88,17 +92,27 @@ def cpu_info() -> CpuInfo:
 def hardware_isa() -> str:
     """The level the silicon has, whatever TRND_CPU_ISA says: what decides whether a build can be loaded at
     all (the cap only chooses which path runs; a capped AVX-512 host can still load the AVX-512 build)."""
-    return _level(_read_cpuinfo()[1])
+    return _level(_read_cpuinfo()[2])
 
 
-@lru_cache(maxsize=1)
 def vendor() -> str:
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), "" where there is none."""
+    return _read_cpuinfo()[1]
+
+
+def _onednn_prepack_runs(dtype) -> bool:
+    """oneDNN's matmul on a reordered weight of `dtype` runs here and is right: tried on a tiny weight, since
+    torch's error message is the only authority on what it needs."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.partition(":")[2].strip() for ln in f if ln.startswith("vendor_id")), "")
-    except OSError:
-        return ""
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.eye(16, dtype=dtype), 1)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=dtype), w, None, "none", [], "")
+        return bool(torch.equal(y, torch.ones(1, 16, dtype=dtype)))
+    except RuntimeError:
+        return False
 
 
 @lru_cache(maxsize=1)
@@ -110,16 +124,7 @@ def onednn_fp32_prepack() -> bool:
     (Zen 3)"). Not measured on Intel, where MKL is at home: F.linear stays there. Tried once."""
     import torch
 
-    if vendor() != "AuthenticAMD" or not torch.backends.mkldnn.is_available():
-        return False
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        return False
-    try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.eye(16), 1)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16), w, None, "none", [], "")
-        return bool(torch.equal(y, torch.ones(1, 16)))
-    except RuntimeError:
-        return False
+    return vendor() == "AuthenticAMD" and _onednn_prepack_runs(torch.float32)
 
 
 @lru_cache(maxsize=1)
@@ -129,13 +134,4 @@ def onednn_bf16_prepack() -> bool:
     authority on what it needs. False under a TRND_CPU_ISA cap below avx512."""
     import torch
 
-    if cpu_info().isa in ("default", "avx2") or not torch.backends.mkldnn.is_available():
-        return False
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        return False
-    try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=torch.bfloat16), w, None, "none", [], "")
-        return bool(y.shape == (1, 16))
-    except RuntimeError:
-        return False
+    return cpu_info().isa not in ("default", "avx2") and _onednn_prepack_runs(torch.bfloat16)
