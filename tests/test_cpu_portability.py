@@ -97,8 +97,10 @@ print(json.dumps({"tokens": out[0].token_ids, "dtype": str(llm.engine.model_conf
 def test_bf16_checkpoint_serves_on_an_avx2_cpu(tiny_bf16, dtype):
     r = _run(GENERATE.replace("sys.argv[1]", repr(str(tiny_bf16))).replace("sys.argv[2]", repr(dtype)), AVX2)
     assert len(r["tokens"]) == 8
-    # bf16: no oneDNN bf16 reorder on this CPU class, plain F.linear; fp32 (auto): oneDNN's on AMD CPUs
-    assert r["packed"] == (dtype == "auto" and cpuinfo.onednn_fp32_prepack())
+    # bf16: no oneDNN bf16 reorder on this CPU class, plain F.linear; fp32 (auto): the AVX2 build's fp32 linear
+    assert r["packed"] == (dtype == "auto")
+    if dtype == "auto":
+        assert r["paths"]["linears"] == "compiled torch.ops.trnd_avx2 fp32 (packed at load)"
     assert r["dtype"] == ("torch.float32" if dtype == "auto" else "torch.bfloat16")
     assert r["paths"]["isa"] == "avx2" and "avx512f" not in r["paths"]["flags"]
 

@@ -1,5 +1,5 @@
 """Linears prepacked (bf16: csrc/linear.cpp's layout or oneDNN's, as layers._prepacked picks for this CPU; fp32:
-oneDNN's, on AMD) compute what F.linear does, and an engine with them generates what one without them does."""
+csrc/linear_f32.cpp's where the compiled kernels run, else oneDNN's on AMD) compute what F.linear does, and an engine with them generates what one without them does."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from trnd.parallel import TP1
 needs_bf16 = pytest.mark.skipif(not _can_prepack(torch.zeros(1, dtype=torch.bfloat16)),
                                 reason=f"no oneDNN bf16 reorder on this CPU ({cpu_info().summary()}); the "
                                        "fallback is tested in test_cpu_portability.py")
-needs_fp32 = pytest.mark.skipif(not onednn_fp32_prepack(),
+needs_fp32 = pytest.mark.skipif(not _can_prepack(torch.zeros(1)),
                                 reason=f"fp32 linears are not prepacked on this CPU ({cpu_info().summary()}): "
                                        "F.linear runs them, as every fp32 test here checks")
 
@@ -51,8 +51,10 @@ def test_prepacked_fp32_linear_equals_f_linear_up_to_summation_order(tokens):
     assert err <= 2e-6 * exact.abs().max().item() * 768 ** 0.5, err  # fp32 rounding of 768-term sums
 
 
-def test_fp32_weights_are_left_alone_where_f_linear_is_the_faster():
-    """fp32 is prepacked only on AMD (kernels.cpuinfo.onednn_fp32_prepack)."""
+def test_fp32_weights_are_left_alone_where_f_linear_is_the_faster(monkeypatch):
+    """Without the compiled kernels (TRND_CPU_KERNELS=0), fp32 is prepacked only on AMD
+    (kernels.cpuinfo.onednn_fp32_prepack)."""
+    monkeypatch.setattr("trnd.model.layers.linear_f32_lib", lambda: None)
     if onednn_fp32_prepack():
         pytest.skip(f"fp32 linears are prepacked on this CPU ({cpu_info().summary()})")
     lin = Linear(8, 8, [Source("w")], torch.float32, TP1)

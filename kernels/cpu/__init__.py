@@ -6,8 +6,9 @@ torch ops (no build, a build for another torch, a CPU below AVX2, TRND_CPU_KERNE
 falls back to its torch twin for inputs the kernel does not take (another dtype, device or head_dim), so
 the table is always complete.
 
-`linear_lib()` is the bf16 linears' kernel (csrc/linear.cpp), not an Ops entry: a linear owns its weight, packed
-into the kernel's layout at load (trnd/model/layers.py), so the choice is made once there.
+`linear_lib()` is the bf16 linears' kernel (csrc/linear.cpp) and `linear_f32_lib()` the fp32 linears' (csrc/linear_f32.cpp),
+not Ops entries: a linear owns its weight, packed into the kernel's layout at load (trnd/model/layers.py), so the
+choice is made once there.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def _register_fakes(name: str) -> None:
         # The bf16 linears (csrc/linear.cpp): a traced model with packed weights calls them at every Linear.
         for op in ("linear", "linear_amx"):
             torch.library.register_fake(f"{name}::{op}")(lambda x, packed, n: x.new_empty((x.shape[0], n)))
+    torch.library.register_fake(f"{name}::linear_f32")(lambda x, packed, n: x.new_empty((x.shape[0], n)))
     torch.library.register_fake(f"{name}::qk_norm_rotary")(
         lambda q, k, qw, kw, eps, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
 
@@ -255,6 +257,29 @@ def linear_lib():
     lib, why = load_library("trnd_avx512")
     if lib is None:
         log.info("cpu kernels: bf16 linears not compiled (%s); oneDNN runs them", why)
+    return lib
+
+
+@lru_cache(maxsize=1)
+def linear_f32_lib():
+    """The build for this CPU (AVX2 or AVX-512, as cpu_ops picks), whose `pack_linear_f32`/`linear_f32` run the
+    CPU engine's fp32 linears, or None (oneDNN's prepacked matmul on AMD, else F.linear: trnd/model/layers.py).
+    It streams each weight from DRAM once per call whatever the rows; the model's linears in one pass over 400 MB
+    on AMD Zen 4 (kernels.cpu.bench_linear --dtype float32, the AVX2 build, oneDNN and MKL capped at AVX2):
+    1.7x oneDNN's at 1 row, 2.0x at 4 and 8, 1.8x at 16, 1.3x at 64, equal at 512 (docs/RESULTS.md, "fp32 linears")."""
+    info = cpu_info()
+    name = variant_for(info)
+    if name is None or _turned_off():
+        return None
+    lib, why = load_library(name)
+    if lib is None:
+        log.info("cpu kernels: fp32 linears not compiled (%s)", why)
+        return None
+    try:
+        lib.linear_f32  # a build of sources older than csrc/linear_f32.cpp lacks it (`make venv` rebuilds)
+    except (AttributeError, RuntimeError):
+        log.info("cpu kernels: %s has no linear_f32 (an older build: `python -m kernels.cpu.build`)", name)
+        return None
     return lib
 
 

@@ -1,7 +1,8 @@
 """The default backend: the CPU. Always available; what CI runs.
 
 Every CPU fast path is chosen from what the running CPU supports (kernels/cpuinfo.py), never from
-what the build machine had: bf16 compute only where the CPU has bf16 dot products in hardware, bf16
+what the build machine had: bf16 compute only where the CPU has bf16 dot products in hardware, fp32
+linears in our own kernel's layout wherever the compiled kernels run, bf16
 linears in our dpbf16 kernel's layout where the CPU has avx512_bf16 (on AMX tiles from 8 rows where it has
 those), else oneDNN prepacking
 where its bf16 reorder runs, the compiled kernels of kernels/cpu/ in the build for this
@@ -12,7 +13,7 @@ log line).
 from functools import cached_property
 
 from kernels import Ops
-from kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_lib
+from kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_f32_lib, linear_lib
 from kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack, onednn_fp32_prepack
 from trnd.backends.base import Backend
 
@@ -41,7 +42,9 @@ class CPUBackend(Backend):
 def cpu_paths(dtype: str, why: str) -> dict[str, str]:
     """The CPU fast paths this process takes, for the start-up log line, `trnd check cpu` and bench tables."""
     info = cpu_info()
-    if dtype == "float32" and onednn_fp32_prepack():
+    if dtype == "float32" and linear_f32_lib() is not None:
+        prepack = f"compiled {linear_f32_lib().__name__} fp32 (packed at load)"
+    elif dtype == "float32" and onednn_fp32_prepack():
         prepack = "oneDNN float32 prepacked"
     elif dtype != "bfloat16":
         prepack = f"F.linear ({dtype})"

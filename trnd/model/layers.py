@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_lib
+from kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_f32_lib, linear_lib
 from kernels.cpuinfo import onednn_bf16_prepack, onednn_fp32_prepack
 from trnd.parallel import TPGroup
 
@@ -29,25 +29,29 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 def _can_prepack(w: torch.Tensor) -> bool:
     """Capability, not presence: our dpbf16 linear needs avx512_bf16, oneDNN's bf16 reorder AVX-512 (BW/VL/DQ)
-    or AVX-NE-CONVERT, so on an AVX2-only CPU bf16 takes the plain F.linear path; fp32 is prepacked by oneDNN
-    where that beats F.linear (kernels.cpuinfo.onednn_fp32_prepack). kernels/ probes each once."""
+    or AVX-NE-CONVERT, so on an AVX2-only CPU bf16 takes the plain F.linear path; fp32 takes our fp32 linear
+    wherever the compiled kernels run (AVX2 + FMA and up), else oneDNN's where that beats F.linear
+    (kernels.cpuinfo.onednn_fp32_prepack). kernels/ probes each once."""
     if w.device.type != "cpu":
         return False
     if w.dtype == torch.float32:
-        return onednn_fp32_prepack()
+        return _ours(w) or onednn_fp32_prepack()
     return w.dtype == torch.bfloat16 and (_ours(w) or onednn_bf16_prepack())
 
 
 def _ours(w: torch.Tensor) -> bool:
-    """csrc/linear.cpp packs it: a bf16 weight, the kernel runs on this CPU (kernels.cpu.linear_lib), K is even."""
+    """A kernel of ours packs it: bf16 in csrc/linear.cpp (the CPU has avx512_bf16, K is even: kernels.cpu.linear_lib),
+    fp32 in csrc/linear_f32.cpp (the compiled kernels run here: kernels.cpu.linear_f32_lib)."""
+    if w.dtype == torch.float32:
+        return linear_f32_lib() is not None
     return w.dtype == torch.bfloat16 and linear_lib() is not None and w.shape[-1] % 2 == 0
 
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """A weight in kernels/cpu/csrc/linear.cpp's layout (its columns padded to blocks of 64), its width and the
-    ops that take it, chosen once at load so a step reads no CPU probe per call (nor a traced forward one):
-    `linear` (dpbf16) and `amx` (`linear_amx`, where AMX runs and K is a multiple of 32) for calls of
+    """A weight in one of our kernels' layouts (csrc/linear.cpp's for bf16, its columns padded to blocks of 64;
+    csrc/linear_f32.cpp's for fp32), its width and the ops that take it, chosen once at load so a step reads no CPU
+    probe per call (nor a traced forward one): `linear` (dpbf16, or linear_f32) and `amx` (`linear_amx`, where AMX runs and K is a multiple of 32) for calls of
     LINEAR_AMX_MIN_ROWS rows or more."""
     data: torch.Tensor
     n: int
@@ -56,11 +60,15 @@ class PackedLinear:
 
 
 def _prepacked(w: torch.Tensor) -> torch.Tensor | PackedLinear:
-    """The weight reordered once into a matmul's layout: csrc/linear.cpp's where it runs (avx512_bf16; its dpbf16
-    and AMX kernels share it), else oneDNN's blocked one. F.linear on bf16 CPU tensors reorders the weight inside every call; prepacked
+    """The weight reordered once into a matmul's layout: csrc/linear_f32.cpp's for fp32 where the compiled kernels
+    run, csrc/linear.cpp's for bf16 where it runs (avx512_bf16; its dpbf16 and AMX kernels share it), else oneDNN's
+    blocked one. F.linear on bf16 CPU tensors reorders the weight inside every call; prepacked
     by oneDNN, a decode step's gemv runs 2.2x faster (768x2048 at batch 1: 104 -> 44 us) with identical
     results, and prefill-sized batches are no slower. What inductor's freezing does for compiled CPU models,
     done here for the eager path."""
+    if _ours(w) and w.dtype == torch.float32:
+        lib = linear_f32_lib()
+        return PackedLinear(lib.pack_linear_f32(w.detach()), w.shape[0], lib.linear_f32)
     if _ours(w):
         lib = linear_lib()
         amx = lib.linear_amx if linear_amx() and w.shape[1] % 32 == 0 else None
