@@ -265,8 +265,9 @@ def linear_f32_lib():
     """The build for this CPU (AVX2 or AVX-512, as cpu_ops picks), whose `pack_linear_f32`/`linear_f32` run the
     CPU engine's fp32 linears, or None (oneDNN's prepacked matmul on AMD, else F.linear: trnd/model/layers.py).
     It streams each weight from DRAM once per call whatever the rows; the model's linears in one pass over 400 MB
-    on AMD Zen 4 (kernels.cpu.bench_linear --dtype float32, the AVX2 build, oneDNN and MKL capped at AVX2):
-    1.7x oneDNN's at 1 row, 2.0x at 4 and 8, 1.8x at 16, 1.3x at 64, equal at 512 (docs/RESULTS.md, "fp32 linears")."""
+    on AMD Zen 4 (kernels.cpu.bench_linear --dtype float32; the AVX2 build with oneDNN and MKL capped at AVX2, and
+    the AVX-512 build): 1.6-1.7x oneDNN's speed at 1 row, 1.8-2.1x at 4 and 8, 1.6-1.7x at 16, 1.25-1.3x at 64,
+    1.03-1.08x at 512 (docs/RESULTS.md, "fp32 linears of our own")."""
     info = cpu_info()
     name = variant_for(info)
     if name is None or _turned_off():
