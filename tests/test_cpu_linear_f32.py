@@ -145,3 +145,16 @@ def test_turned_off_the_fp32_linears_fall_back(monkeypatch):
     finally:
         monkeypatch.delenv(kcpu.ENV)
         kcpu.linear_f32_lib.cache_clear()
+
+
+def test_a_build_older_than_the_fp32_kernel_is_skipped_not_loaded_half(monkeypatch):
+    """A library built from sources before csrc/linear_f32.cpp has no linear_f32: the fp32 linears fall back."""
+    if kcpu.variant_for(HOST) is None:
+        pytest.skip(f"no build runs here ({HOST.summary()})")
+    monkeypatch.delenv(kcpu.ENV, raising=False)
+    monkeypatch.setattr(kcpu, "load_library", lambda name: (object(), ""))
+    kcpu.linear_f32_lib.cache_clear()
+    try:
+        assert kcpu.linear_f32_lib() is None
+    finally:
+        kcpu.linear_f32_lib.cache_clear()

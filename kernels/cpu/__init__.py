@@ -116,7 +116,8 @@ def _register_fakes(name: str) -> None:
         # The bf16 linears (csrc/linear.cpp): a traced model with packed weights calls them at every Linear.
         for op in ("linear", "linear_amx"):
             torch.library.register_fake(f"{name}::{op}")(lambda x, packed, n: x.new_empty((x.shape[0], n)))
-    torch.library.register_fake(f"{name}::linear_f32")(lambda x, packed, n: x.new_empty((x.shape[0], n)))
+    if hasattr(getattr(torch.ops, name), "linear_f32"):  # a build older than csrc/linear_f32.cpp has none
+        torch.library.register_fake(f"{name}::linear_f32")(lambda x, packed, n: x.new_empty((x.shape[0], n)))
     torch.library.register_fake(f"{name}::qk_norm_rotary")(
         lambda q, k, qw, kw, eps, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
 
@@ -276,9 +277,7 @@ def linear_f32_lib():
     if lib is None:
         log.info("cpu kernels: fp32 linears not compiled (%s)", why)
         return None
-    try:
-        lib.linear_f32  # a build of sources older than csrc/linear_f32.cpp lacks it (`make venv` rebuilds)
-    except (AttributeError, RuntimeError):
+    if not hasattr(lib, "linear_f32"):  # a build of sources older than csrc/linear_f32.cpp (`make venv` rebuilds)
         log.info("cpu kernels: %s has no linear_f32 (an older build: `python -m kernels.cpu.build`)", name)
         return None
     return lib
