@@ -4,6 +4,8 @@ run (the bf16 linears are test_cpu_linear.py's)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -96,6 +98,11 @@ def test_zero_rows_give_an_empty_result(build):
     assert lib.linear_f32(torch.zeros(0, 8), lib.pack_linear_f32(torch.ones(3, 8)), 3).shape == (0, 3)
 
 
+def _clear() -> None:
+    kcpu._cpu_build.cache_clear()
+    kcpu.linear_f32_lib.cache_clear()
+
+
 needs_chosen = pytest.mark.skipif(kcpu.linear_f32_lib() is None,
                                   reason=f"the compiled kernels do not run here ({HOST.summary()})")
 
@@ -139,12 +146,12 @@ def test_a_packed_fp32_linear_traces_in_one_graph():
 
 def test_turned_off_the_fp32_linears_fall_back(monkeypatch):
     monkeypatch.setenv(kcpu.ENV, "0")
-    kcpu.linear_f32_lib.cache_clear()
+    _clear()
     try:
         assert kcpu.linear_f32_lib() is None
     finally:
         monkeypatch.delenv(kcpu.ENV)
-        kcpu.linear_f32_lib.cache_clear()
+        _clear()
 
 
 def test_a_build_older_than_the_fp32_kernel_is_skipped_not_loaded_half(monkeypatch):
@@ -152,9 +159,10 @@ def test_a_build_older_than_the_fp32_kernel_is_skipped_not_loaded_half(monkeypat
     if kcpu.variant_for(HOST) is None:
         pytest.skip(f"no build runs here ({HOST.summary()})")
     monkeypatch.delenv(kcpu.ENV, raising=False)
-    monkeypatch.setattr(kcpu, "load_library", lambda name: (object(), ""))
-    kcpu.linear_f32_lib.cache_clear()
+    old = types.SimpleNamespace(__name__=f"torch.ops.{kcpu.variant_for(HOST)}")  # a library with no linear_f32
+    monkeypatch.setattr(kcpu, "load_library", lambda name: (old, ""))
+    _clear()
     try:
         assert kcpu.linear_f32_lib() is None
     finally:
-        kcpu.linear_f32_lib.cache_clear()
+        _clear()

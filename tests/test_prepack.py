@@ -1,5 +1,6 @@
 """Linears prepacked (bf16: csrc/linear.cpp's layout or oneDNN's, as layers._prepacked picks for this CPU; fp32:
-csrc/linear_f32.cpp's where the compiled kernels run, else oneDNN's on AMD) compute what F.linear does, and an engine with them generates what one without them does."""
+csrc/linear_f32.cpp's where the compiled kernels run, else oneDNN's on AMD) compute what F.linear does, and an
+engine with them generates what one without them does."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ torch ops (no build, a build for another torch, a CPU below AVX2, TRND_CPU_KERNE
 falls back to its torch twin for inputs the kernel does not take (another dtype, device or head_dim), so
 the table is always complete.
 
-`linear_lib()` is the bf16 linears' kernel (csrc/linear.cpp) and `linear_f32_lib()` the fp32 linears' (csrc/linear_f32.cpp),
-not Ops entries: a linear owns its weight, packed into the kernel's layout at load (trnd/model/layers.py), so the
+`linear_lib()` is the bf16 linears' kernel (csrc/linear.cpp) and `linear_f32_lib()` the fp32 linears'
+(csrc/linear_f32.cpp), not Ops entries: a linear owns its weight, packed into the kernel's layout at load (trnd/model/layers.py), so the
 choice is made once there.
 """
 
@@ -269,16 +269,11 @@ def linear_f32_lib():
     on AMD Zen 4 (kernels.cpu.bench_linear --dtype float32; the AVX2 build with oneDNN and MKL capped at AVX2, and
     the AVX-512 build): 1.6-1.7x oneDNN's speed at 1 row, 1.8-2.1x at 4 and 8, 1.6-1.7x at 16, 1.25-1.3x at 64,
     1.03-1.08x at 512 (docs/RESULTS.md, "fp32 linears of our own")."""
-    info = cpu_info()
-    name = variant_for(info)
-    if name is None or _turned_off():
-        return None
-    lib, why = load_library(name)
+    lib, _ = _cpu_build()  # cpu_ops logs why, where there is none
     if lib is None:
-        log.info("cpu kernels: fp32 linears not compiled (%s)", why)
         return None
     if not hasattr(lib, "linear_f32"):  # a build of sources older than csrc/linear_f32.cpp (`make venv` rebuilds)
-        log.info("cpu kernels: %s has no linear_f32 (an older build: `python -m kernels.cpu.build`)", name)
+        log.info("cpu kernels: %s has no linear_f32 (an older build: `python -m kernels.cpu.build`)", lib.__name__)
         return None
     return lib
 
@@ -291,17 +286,23 @@ def linear_amx() -> bool:
 
 
 @lru_cache(maxsize=1)
+def _cpu_build() -> tuple[object | None, str]:
+    """This CPU's build (variant_for) loaded, or None and why not: what cpu_ops and linear_f32_lib run."""
+    info = cpu_info()
+    name = variant_for(info)
+    if _turned_off():
+        return None, f"{ENV}=0"
+    if name is None:
+        return None, f"the CPU has no AVX2 + FMA ({info.summary()})"
+    return load_library(name)
+
+
+@lru_cache(maxsize=1)
 def cpu_ops() -> Ops:
     """The CPU backend's table: the compiled kernels for this CPU where they load, else the torch ops."""
     info = cpu_info()
     name = variant_for(info)
-    why = ""
-    if _turned_off():
-        why = f"{ENV}=0"
-    elif name is None:
-        why = f"the CPU has no AVX2 + FMA ({info.summary()})"
-    if not why:
-        lib, why = load_library(name)
+    lib, why = _cpu_build()
     if why:
         log.info("cpu kernels: not used (%s); the torch ops run", why)
         return TORCH_OPS

@@ -51,8 +51,8 @@ def _ours(w: torch.Tensor) -> bool:
 class PackedLinear:
     """A weight in one of our kernels' layouts (csrc/linear.cpp's for bf16, its columns padded to blocks of 64;
     csrc/linear_f32.cpp's for fp32), its width and the ops that take it, chosen once at load so a step reads no CPU
-    probe per call (nor a traced forward one): `linear` (dpbf16, or linear_f32) and `amx` (`linear_amx`, where AMX runs and K is a multiple of 32) for calls of
-    LINEAR_AMX_MIN_ROWS rows or more."""
+    probe per call (nor a traced forward one): `linear` (dpbf16, or linear_f32) and `amx` (`linear_amx`, where AMX
+    runs and K is a multiple of 32) for calls of LINEAR_AMX_MIN_ROWS rows or more."""
     data: torch.Tensor
     n: int
     linear: Callable
@@ -66,14 +66,14 @@ def _prepacked(w: torch.Tensor) -> torch.Tensor | PackedLinear:
     by oneDNN, a decode step's gemv runs 2.2x faster (768x2048 at batch 1: 104 -> 44 us) with identical
     results, and prefill-sized batches are no slower. What inductor's freezing does for compiled CPU models,
     done here for the eager path."""
-    if _ours(w) and w.dtype == torch.float32:
+    if not _ours(w):
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+    if w.dtype == torch.float32:
         lib = linear_f32_lib()
         return PackedLinear(lib.pack_linear_f32(w.detach()), w.shape[0], lib.linear_f32)
-    if _ours(w):
-        lib = linear_lib()
-        amx = lib.linear_amx if linear_amx() and w.shape[1] % 32 == 0 else None
-        return PackedLinear(lib.pack_linear(w.detach()), w.shape[0], lib.linear, amx)
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+    lib = linear_lib()
+    amx = lib.linear_amx if linear_amx() and w.shape[1] % 32 == 0 else None
+    return PackedLinear(lib.pack_linear(w.detach()), w.shape[0], lib.linear, amx)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | PackedLinear | None,

@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "vec.h"
 
@@ -50,16 +49,6 @@ __attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * TILE_COLS + v * 16, acc[r][v]);
-}
-
-// f(std::integral_constant<int, R>{}) for R = rows (1 <= rows <= TILE_MAX_R): the tail of a row range runs the
-// tile compiled for its own row count.
-template <int R = TILE_MAX_R, typename F>
-inline void with_rows(int64_t rows, F&& f) {
-  if constexpr (R > 1) {
-    if (rows < R) return with_rows<R - 1>(rows, f);
-  }
-  f(std::integral_constant<int, R>{});
 }
 
 }  // namespace trnd

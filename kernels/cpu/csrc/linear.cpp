@@ -132,7 +132,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t m = 0; m < M; m += MAX_R)
-        with_rows(std::min<int64_t>(MAX_R, M - m), [&](auto r) { run_tile<decltype(r)::value>(j, b, m, acc); });
+        with_rows<MAX_R>(std::min<int64_t>(MAX_R, M - m), [&](auto r) { run_tile<decltype(r)::value>(j, b, m, acc); });
   }
   return y;
 }

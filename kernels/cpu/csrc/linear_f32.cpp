@@ -56,14 +56,6 @@ inline void f32_tile(const float* x, int64_t xs, int64_t K, const float* blk, fl
   }
 }
 
-template <int R = F32_MAX_R, typename F>
-inline void with_f32_rows(int64_t rows, F&& f) {
-  if constexpr (R > 1) {
-    if (rows < R) return with_f32_rows<R - 1>(rows, f);
-  }
-  f(std::integral_constant<int, R>{});
-}
-
 at::Tensor pack_linear_f32(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "weight: want a float32 [N, K], got ", w.scalar_type(),
               " ", w.sizes());
@@ -103,7 +95,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
       const int64_t tiles = (M + F32_MAX_R - 1) / F32_MAX_R;
       for (int64_t t = 0, m = 0; t < tiles; ++t) {
         const int64_t R = M / tiles + (t < M % tiles);
-        with_f32_rows(R, [&](auto r) { f32_tile<decltype(r)::value>(xp + m * xs, xs, K, wp + b * K * F32_BLOCK, acc); });
+        with_rows<F32_MAX_R>(R, [&](auto r) { f32_tile<decltype(r)::value>(xp + m * xs, xs, K, wp + b * K * F32_BLOCK, acc); });
         for (int64_t r = 0; r < R; ++r) {
           float* dst = yp + (m + r) * N + col;
           if (n == F32_BLOCK) {

@@ -144,7 +144,7 @@ at::Tensor prefill_attention_dpbf16(const at::Tensor& q_, const at::Tensor& kv, 
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t it = 0; it < nb * hq; ++it) {
     const int64_t b = nb - 1 - it / hq, h = it % hq;  // the longest blocks (last queries) first
-    with_rows(std::min<int64_t>(QR, T - b * QR), [&](auto r) { run_block<decltype(r)::value>(c, h, b * QR); });
+    with_rows<QR>(std::min<int64_t>(QR, T - b * QR), [&](auto r) { run_block<decltype(r)::value>(c, h, b * QR); });
   }
   return out;
 }

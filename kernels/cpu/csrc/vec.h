@@ -5,6 +5,9 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+#include <type_traits>
+
 #include <c10/util/BFloat16.h>
 
 namespace trnd {
@@ -150,6 +153,16 @@ inline vf vexp(vf x) {
   p = vfma(p, r, vset(5.0000001201e-1f));
   vf y = vadd(vfma(vmul(p, r), r, r), vset(1.0f));
   return vmul(y, vpow2i(n));
+}
+
+// f(std::integral_constant<int, R>{}) for R = rows (1 <= rows <= MAX_R): the tail of a row range runs the tile
+// compiled for its own row count (the dpbf16 tiles, the fp32 linear's tiles).
+template <int MAX_R, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (MAX_R > 1) {
+    if (rows < MAX_R) return with_rows<MAX_R - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MAX_R>{});
 }
 
 }  // namespace trnd
