@@ -218,3 +218,36 @@ def test_reasoning_parser_and_template_kwargs(tiny_qwen3, tmp_path):
             assert e.value.body["param"] == "chat_template_kwargs.add_generation_prompt"
     finally:
         s.stop()
+
+
+class _NoLlguidance:
+    """An engine whose llguidance side cannot be made (as on a host without the package)."""
+
+    touched = 0
+
+    @property
+    def grammars(self):
+        self.touched += 1
+        raise ModuleNotFoundError("No module named 'llguidance'")
+
+
+def test_a_request_without_a_grammar_never_touches_llguidance():
+    """Found on the GPU host, whose image lacked llguidance: every plain request failed with 500, since the
+    server evaluated engine.grammars (made on first use) before knowing whether the request had a grammar."""
+    import msgspec
+
+    from trnd.api import protocol as P
+    from trnd.api.chat import ChatPlan, chat_grammar
+    from trnd.api.structured import request_grammar
+
+    engine = _NoLlguidance()
+    plain = msgspec.convert({"model": "m", "prompt": "hi"}, P.CompletionRequest)
+    assert request_grammar(plain, engine) is None
+    chat = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, P.ChatCompletionRequest)
+    assert chat_grammar(chat, ChatPlan(), "hi", engine) is None
+    assert engine.touched == 0
+    shaped = msgspec.convert({"model": "m", "prompt": "hi", "response_format": {"type": "json_object"}},
+                             P.CompletionRequest)
+    with pytest.raises(ModuleNotFoundError):
+        request_grammar(shaped, engine)
+    assert engine.touched == 1

@@ -68,11 +68,11 @@ def plan_chat(req: P.ChatCompletionRequest, tool_call_parser: str, reasoning_par
     return plan
 
 
-def chat_grammar(req: P.ChatCompletionRequest, plan: ChatPlan, prompt: str, grammars) -> GrammarSpec | None:
+def chat_grammar(req: P.ChatCompletionRequest, plan: ChatPlan, prompt: str, engine) -> GrammarSpec | None:
     """The request's grammar; with a reasoning parser it starts after `</think>`, unless the prompt
     already closed the think block (enable_thinking: false)."""
     after = END if plan.reasoning_parser and not prompt.rstrip().endswith(END) else None
-    return request_grammar(req, grammars, plan.tool_spec, after)
+    return request_grammar(req, engine, plan.tool_spec, after)
 
 
 class ChoiceText:

@@ -112,7 +112,7 @@ async def chat_completions(request: Request) -> Response:
         prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **plan.template_kwargs)
     except (jinja2.TemplateError, ValueError, TypeError) as e:  # "roles must alternate", no template at all...
         raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
-    params.grammar = chat_grammar(req, plan, prompt, st.loop.engine.grammars)
+    params.grammar = chat_grammar(req, plan, prompt, st.loop.engine)
     # The template already wrote every special token (BOS included); encoding must not add another.
     ids = await _encode(st, prompt, add_special_tokens=False)
     job = Job(st, "chat", ids, params, n, session_of(req, request), bool(req.stream),
@@ -132,7 +132,7 @@ async def completions(request: Request) -> Response:
     req: P.CompletionRequest = await _decode(request, st, P.CompletionRequest)
     params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
     prompt = check_completion_prompt(req.prompt)
-    params.grammar = request_grammar(req, st.loop.engine.grammars)
+    params.grammar = request_grammar(req, st.loop.engine)
     ids = await _encode(st, prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
     job = Job(st, "completion", ids, params, n, session_of(req, request), bool(req.stream),
               bool(req.stream_options and req.stream_options.include_usage), "prompt", arrival,

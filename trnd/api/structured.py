@@ -54,10 +54,11 @@ def _from_structured_outputs(so) -> tuple[GrammarSpec, str]:
     return GrammarSpec(kind="regex" if k == "regex" else "ebnf", value=getattr(so, k)), param
 
 
-def request_grammar(req, grammars, tool_spec: GrammarSpec | None = None, after: str | None = None
+def request_grammar(req, engine, tool_spec: GrammarSpec | None = None, after: str | None = None
                     ) -> GrammarSpec | None:
-    """The one grammar of a request (None: unconstrained). `grammars` is the engine's (for the compile
-    check); `after` starts it once reasoning has ended."""
+    """The one grammar of a request (None: unconstrained). The engine's llguidance side compiles it as a
+    check, and is touched only here: a request without a grammar never loads llguidance or parses the
+    tokenizer for it. `after` starts the grammar once reasoning has ended."""
     found: list[tuple[GrammarSpec, str]] = []
     if req.response_format is not None:
         spec, param = _from_response_format(req.response_format)
@@ -73,7 +74,7 @@ def request_grammar(req, grammars, tool_spec: GrammarSpec | None = None, after: 
         a, b = found[0][1].split(".")[0], found[1][1].split(".")[0]
         raise invalid(b, f"{b} cannot be combined with {a}: a reply follows one grammar")
     spec, param = found[0]
-    why = grammars.check(spec)
+    why = engine.grammars.check(spec)
     if why is not None:
         raise invalid(param, f"{param} cannot be compiled to a grammar: {why}")
     if after is not None:
