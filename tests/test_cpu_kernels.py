@@ -254,6 +254,85 @@ def test_prefill_attention_kernel_refuses_bad_inputs(kernel):
         run(q16, kv16, 1, seq16.pages, 10, 0.125)
 
 
+F32_BUILDS = [b for b in BUILDS if b.values[0][1] is False]  # the fp32 kernel: one per build, dpbf16 or not
+
+
+@pytest.mark.parametrize("build", F32_BUILDS, indirect=True)
+@pytest.mark.parametrize("prior,q_len,group,page,d", [
+    (0, 9, 3, 16, 64), (0, 37, 1, 16, 128), (0, 300, 4, 16, 64), (37, 64, 2, 16, 64), (100, 200, 2, 64, 128),
+    (250, 130, 8, 64, 64), (1000, 17, 2, 16, 64), (5, 512, 3, 16, 32), (1500, 70, 4, 16, 64), (63, 65, 1, 64, 64),
+    (3, 33, 8, 16, 128)])
+def test_fp32_prefill_tiles_match_reference(build, prior, q_len, group, page, d):
+    """csrc/prefill_f32.cpp, what an fp32 pool (a CPU without bf16) runs for chunks longer than PREFILL_MAX_Q, on
+    each build: with and without a cached prefix, contexts ending mid-page and mid-key-block, query blocks ending
+    mid-chunk, GQA 1-8, pages 16 and 64, head_dim 32-128. Within the fp32 tolerance of the float64 product, and
+    no further from it than twice torch flash's fp32 error."""
+    name, lib, _ = build
+    hk = 2
+    q, k_new, v_new, kv, seq = make_prefill_case(prior, q_len, hk * group, hk, d, page, dtype=torch.float32,
+                                                 seed=prior + q_len)
+    ops = kcpu.compiled(name)
+    assert q_len > kcpu.PREFILL_MAX_Q
+    got = ops.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5)
+    assert torch.equal(got, lib.prefill_attention_f32(q, kv, 1, seq.pages, prior, d ** -0.5))  # it took the kernel
+    want = attention.prefill_attention(q.double(), k_new.double(), v_new.double(), kv.double(), 1, seq, page,
+                                       d ** -0.5)
+    torch.testing.assert_close(got.double(), want, **tol(torch.float32))
+    flash = attention.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5)
+    assert (got.double() - want).abs().max() <= 2 * (flash.double() - want).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("build", F32_BUILDS, indirect=True)
+def test_fp32_prefill_tiles_ignore_what_lies_past_the_context(build):
+    """Pool slots past the context (the last page's tail, the key block's padding) hold inf and NaN: the
+    result is as with zeros there (the kernel reads no such slot, or multiplies it by nothing)."""
+    name, lib, _ = build
+    prior, q_len, page, d = 20, 27, 16, 64  # 47 tokens: page 2 ends mid-page, the key block mid-way
+    q, k_new, v_new, kv, seq = make_prefill_case(prior, q_len, 4, 2, d, page, dtype=torch.float32, seed=3)
+    clean = lib.prefill_attention_f32(q, kv, 1, seq.pages, prior, 0.125)
+    last = int(seq.pages[(prior + q_len - 1) // page])
+    kv[last, 1, :, :, (prior + q_len) % page:] = float("nan")
+    kv[last, 1, 1, :, -1] = float("inf")
+    torch.testing.assert_close(lib.prefill_attention_f32(q, kv, 1, seq.pages, prior, 0.125), clean, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("build", F32_BUILDS, indirect=True)
+def test_fp32_prefill_tiles_refuse_bad_inputs(build):
+    _, lib, _ = build
+    q, _, _, kv, seq = make_prefill_case(10, 20, 4, 2, 64, 16, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="pages"):
+        lib.prefill_attention_f32(q, kv, 1, seq.pages[:1], 10, 0.125)
+    with pytest.raises(RuntimeError, match="layer 5"):
+        lib.prefill_attention_f32(q, kv, 5, seq.pages, 10, 0.125)
+    with pytest.raises(RuntimeError, match="kv: want a contiguous float32 pool"):
+        lib.prefill_attention_f32(q.bfloat16(), kv.bfloat16(), 1, seq.pages, 10, 0.125)
+    q16, _, _, kv16, seq16 = make_prefill_case(10, 20, 4, 2, 16, 16, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="head_dim 16: want a multiple of 32"):
+        lib.prefill_attention_f32(q16, kv16, 1, seq16.pages, 10, 0.125)
+
+
+def test_fp32_chunks_the_tiles_do_not_take_go_to_torch():
+    """head_dim 16 (not a multiple of 32) and a build without the op (older than csrc/prefill_f32.cpp) run
+    torch's flash kernel: the table stays complete."""
+    if HOST_LEVEL < 1:
+        pytest.skip(f"no AVX2 + FMA here ({HOST.summary()})")
+    q, k_new, v_new, kv, seq = make_prefill_case(4, 40, 4, 2, 16, 16, dtype=torch.float32, seed=5)
+    flash = attention.prefill_attention(q, k_new, v_new, kv, 1, seq, 16, 0.25)
+    c = kcpu.CompiledOps(kcpu.load_library("trnd_avx2")[0], dpbf16=False)
+    assert torch.equal(c.prefill_attention(q, k_new, v_new, kv, 1, seq, 16, 0.25), flash)
+
+    class Older:  # the build's ops but this one
+        def __getattr__(self, op):
+            if op == "prefill_attention_f32":
+                raise AttributeError(op)
+            return getattr(c.lib, op)
+
+    q, k_new, v_new, kv, seq = make_prefill_case(4, 40, 4, 2, 64, 16, dtype=torch.float32, seed=5)
+    old = kcpu.CompiledOps(Older(), dpbf16=False)
+    assert torch.equal(old.prefill_attention(q, k_new, v_new, kv, 1, seq, 16, 0.125),
+                       attention.prefill_attention(q, k_new, v_new, kv, 1, seq, 16, 0.125))
+
+
 def test_bad_inputs_raise_and_name_the_value(build):
     name, lib, dpbf16 = build
     q, kv, pages, ctx = ragged_case([20, 3], 2, 16, 64, torch.float32)

@@ -38,8 +38,9 @@ PREFILL_MAX_Q = 8
 # Zen 4, one layer: 512 queries, no prefix 3.80 vs 6.17 ms; after 512 cached 10.3 vs 13.8), slower past it (512
 # after 2048 31.1 vs 28.7), as each row reads its whole context while flash shares a block's K/V loads.
 ROWS_MAX_CTX = 1024
-# The AMX and the dpbf16 tiles prefill kernels copy the context's K/V into their operands' order first
-# (csrc/prefill_amx.cpp, csrc/prefill_dpbf16.cpp): contexts whose copy would be larger go to torch's flash kernel.
+# The AMX, dpbf16 and fp32 tiles prefill kernels copy the context's K/V (fp32: K) into their operands' order first
+# (csrc/prefill_amx.cpp, csrc/prefill_dpbf16.cpp, csrc/prefill_f32.cpp): contexts whose copy would be larger go to
+# torch's flash kernel.
 AMX_MAX_LAYOUT_BYTES = 64 * 2**20
 # A linear of at least this many rows runs on AMX tiles (csrc/linear.cpp's linear_amx) where the CPU has them;
 # fewer go to the dpbf16 tiles, which the weight stream bounds there. Intel Sapphire Rapids, the `small`
@@ -118,6 +119,9 @@ def _register_fakes(name: str) -> None:
             torch.library.register_fake(f"{name}::{op}")(lambda x, packed, n: x.new_empty((x.shape[0], n)))
     if hasattr(getattr(torch.ops, name), "linear_f32"):  # a build older than csrc/linear_f32.cpp has none
         torch.library.register_fake(f"{name}::linear_f32")(lambda x, packed, n: x.new_empty((x.shape[0], n)))
+    if hasattr(getattr(torch.ops, name), "prefill_attention_f32"):  # nor one older than csrc/prefill_f32.cpp
+        torch.library.register_fake(f"{name}::prefill_attention_f32")(
+            lambda q, kv, layer, pages, prior, scale: q.new_empty(q.shape))
     torch.library.register_fake(f"{name}::qk_norm_rotary")(
         lambda q, k, qw, kw, eps, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
 
@@ -193,6 +197,14 @@ class CompiledOps:
         d = kv.shape[5]
         return d % 64 == 0 and 4 * seq.ctx_len * kv.shape[3] * d <= AMX_MAX_LAYOUT_BYTES
 
+    def takes_f32_tiles(self, q: torch.Tensor, kv: torch.Tensor, seq) -> bool:
+        """The fp32 tiles prefill kernel (csrc/prefill_f32.cpp, both builds) takes it: an fp32 pool, head_dim a
+        multiple of 32, a context whose laid-out K fits; a build older than the kernel has none."""
+        if not (kv.dtype == torch.float32 and self.takes(q, kv) and hasattr(self.lib, "prefill_attention_f32")):
+            return False
+        d = kv.shape[5]
+        return d % 32 == 0 and 4 * seq.ctx_len * kv.shape[3] * d <= AMX_MAX_LAYOUT_BYTES
+
     def takes_rows(self, kv: torch.Tensor, seq) -> bool:
         """A chunk the decode kernel runs fastest as one row per query: a short one, or (dpbf16, bf16 pool)
         one of a short context."""
@@ -201,13 +213,15 @@ class CompiledOps:
 
     def prefill_attention(self, q, k_new, v_new, kv, layer, seq, page_size, scale):
         """A chunk after its K/V are in the pages (the model writes before it attends): a longer one on AMX
-        tiles where the CPU has them, else on dpbf16 tiles where it has avx512_bf16; a short one, or one of a
-        short context on a bf16 pool (dpbf16), as decode rows (query i of the chunk attends the sequence's
-        pages up to its own position); else torch's flash kernel."""
+        tiles where the CPU has them, else on dpbf16 tiles where it has avx512_bf16, or on fp32 tiles from an
+        fp32 pool; a short one, or one of a short context on a bf16 pool (dpbf16), as decode rows (query i of
+        the chunk attends the sequence's pages up to its own position); else torch's flash kernel."""
         if seq.q_len > PREFILL_MAX_Q and self.takes_amx(q, kv, seq):
             return self.lib.prefill_attention_amx(q, kv, layer, seq.pages, seq.ctx_len - seq.q_len, scale)
         if seq.q_len > PREFILL_MAX_Q and self.takes_tiles(q, kv, seq):
             return self.lib.prefill_attention_dpbf16(q, kv, layer, seq.pages, seq.ctx_len - seq.q_len, scale)
+        if seq.q_len > PREFILL_MAX_Q and self.takes_f32_tiles(q, kv, seq):
+            return self.lib.prefill_attention_f32(q, kv, layer, seq.pages, seq.ctx_len - seq.q_len, scale)
         if not self.takes(q, kv) or not self.takes_rows(kv, seq):
             return attention.prefill_attention(q, k_new, v_new, kv, layer, seq, page_size, scale)
         prior = seq.ctx_len - seq.q_len

@@ -1,5 +1,5 @@
-// The argument checks of both prefill attention kernels (csrc/prefill_amx.cpp, csrc/prefill_dpbf16.cpp): each
-// bad value gets its own message naming it.
+// The argument checks of the prefill attention kernels (csrc/prefill_amx.cpp, csrc/prefill_dpbf16.cpp,
+// csrc/prefill_f32.cpp): each bad value gets its own message naming it.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -7,15 +7,17 @@
 
 namespace trnd {
 
-// q [T, Hq, D] bf16 against a contiguous bf16 pool kv [pages, layers, 2, Hk, P, D] and the sequence's page
-// table (int64, one entry per page of its prior + T tokens, each inside the pool); D a multiple of d_multiple.
+// q [T, Hq, D] against a contiguous pool kv [pages, layers, 2, Hk, P, D] of the same dtype (bf16 unless the
+// kernel says) and the sequence's page table (int64, one entry per page of its prior + T tokens, each inside the
+// pool); D a multiple of d_multiple.
 inline void check_prefill(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& pages,
-                          int64_t prior, int64_t d_multiple, int64_t max_d) {
-  TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.scalar_type() == at::kBFloat16,
-              "kv: want a contiguous bf16 pool [pages, layers, 2, kv_heads, page_size, head_dim]");
+                          int64_t prior, int64_t d_multiple, int64_t max_d, at::ScalarType dt = at::kBFloat16) {
+  const char* name = dt == at::kBFloat16 ? "bf16" : "float32";
+  TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.scalar_type() == dt, "kv: want a contiguous ", name,
+              " pool [pages, layers, 2, kv_heads, page_size, head_dim]");
   TORCH_CHECK(0 <= layer && layer < kv.size(1), "layer ", layer, " outside the pool's ", kv.size(1), " layers");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) == kv.size(5),
-              "q: want bf16 [T, Hq, ", kv.size(5), "], got ", q.sizes());
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == dt && q.size(2) == kv.size(5),
+              "q: want ", name, " [T, Hq, ", kv.size(5), "], got ", q.sizes());
   const int64_t T = q.size(0), hq = q.size(1), D = q.size(2), hk = kv.size(3), P = kv.size(4);
   TORCH_CHECK(D % d_multiple == 0 && D <= max_d, "head_dim ", D, ": want a multiple of ", d_multiple, ", <= ", max_d);
   TORCH_CHECK(hq % hk == 0, hq, " query heads are not a multiple of ", hk, " KV heads");
