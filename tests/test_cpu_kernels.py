@@ -400,6 +400,32 @@ def test_a_missing_build_is_reported_not_fatal(tmp_path, monkeypatch):
     (tmp_path / "trnd_avx2" / "torch_version").write_text("1.0.0")
     lib, why = kcpu.load_library("trnd_avx2")
     assert lib is None and "built for torch 1.0.0" in why
+    # built for this torch, but from other sources (a checkout pulled since, no rebuild): it would run old
+    # code, or lack an op the Python side calls; refused, and the torch ops run
+    (tmp_path / "trnd_avx2" / "torch_version").write_text(torch.__version__)
+    lib, why = kcpu.load_library("trnd_avx2")
+    assert lib is None and "built from other sources" in why and "kernels.cpu.build" in why  # no digest: older
+    (tmp_path / "trnd_avx2" / "source_digest").write_text("0123456789abcdef")
+    lib, why = kcpu.load_library("trnd_avx2")
+    assert lib is None and "built from other sources" in why
+    assert (build.BUILD / "trnd_avx2" / "source_digest").read_text() != build.source_digest("trnd_avx2")
+
+
+def test_the_builds_here_are_from_these_sources(tmp_path):
+    """make venv / make test rebuild after any change under csrc/: the stamps match, and a change to any source
+    file (a header too) or to the flags changes the digest."""
+    import shutil
+
+    from kernels.cpu import build
+
+    for name in ("trnd_avx2", "trnd_avx512"):
+        assert build.digest_path(name).read_text() == build.source_digest(name)
+    assert build.source_digest("trnd_avx2") != build.source_digest("trnd_avx512")  # the flags count
+    src = tmp_path / "csrc"
+    shutil.copytree(build.SRC, src)
+    assert build.source_digest("trnd_avx2", src) == build.source_digest("trnd_avx2")
+    (src / "vec.h").write_text((src / "vec.h").read_text() + "\n")
+    assert build.source_digest("trnd_avx2", src) != build.source_digest("trnd_avx2")
 
 
 def test_a_build_this_cpu_cannot_run_is_refused_not_loaded(monkeypatch):

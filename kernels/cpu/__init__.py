@@ -85,6 +85,10 @@ def load_library(name: str) -> tuple[object | None, str]:
     built_for = stamp.read_text().strip() if stamp.exists() else "an unknown torch"
     if built_for != torch.__version__:
         return None, f"{path} was built for torch {built_for}, this is {torch.__version__}: rebuild it"
+    digest = build.digest_path(name)
+    if build.SRC.is_dir() and (not digest.exists() or digest.read_text().strip() != build.source_digest(name)):
+        return None, (f"{path} was built from other sources than {build.SRC} (changed since): rebuild it "
+                      "(`python -m kernels.cpu.build`; `make venv` does)")
     try:
         torch.ops.load_library(str(path))
     except OSError as e:

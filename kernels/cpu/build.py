@@ -8,13 +8,15 @@ and is loaded only where kernels/cpuinfo.py finds AVX-512 (kernels/cpu/__init__.
 never loads what it built, since even the op registration that runs at load is compiled for the variant's
 ISA (gcc vectorises torch's schema inference with zmm registers: SIGILL on an AVX2-only CPU).
 
-Each library lands in kernels/cpu/build/<name>/ with a stamp of the torch version it was built against;
-kernels/cpu/__init__.py loads nothing whose stamp does not match (the C++ ABI is torch's).
+Each library lands in kernels/cpu/build/<name>/ with a stamp of the torch version it was built against and a
+digest of the sources and flags it was built from; kernels/cpu/__init__.py loads nothing whose stamps do not
+match (the C++ ABI is torch's; a build from older sources would run old code, or lack an op, without a word).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import sys
@@ -45,6 +47,20 @@ def stamp_path(name: str) -> Path:
     return BUILD / name / "torch_version"
 
 
+def digest_path(name: str) -> Path:
+    return BUILD / name / "source_digest"
+
+
+def source_digest(variant: str, src: Path = SRC) -> str:
+    """What a build of `variant` is made of: every file in src (the .cpp and the headers they include) and the
+    flags. The stamp beside a build; load_library compares it with the checkout's."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in src.iterdir() if p.is_file()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(" ".join(COMMON + VARIANTS[variant]).encode())
+    return h.hexdigest()[:16]
+
+
 def build(name: str, verbose: bool = False, variant: str | None = None, src: Path = SRC,
           out: Path | None = None) -> Path:
     """Compile VARIANTS[variant or name] from src into out (default BUILD/name) as ops in torch.ops.<name>.
@@ -65,6 +81,7 @@ def build(name: str, verbose: bool = False, variant: str | None = None, src: Pat
         extra_sycl_cflags=[], extra_ldflags=["-fopenmp"], extra_include_paths=[str(src)],
         build_directory=str(out), verbose=verbose, with_cuda=False, with_sycl=False)
     (out / "torch_version").write_text(torch.__version__)
+    (out / "source_digest").write_text(source_digest(variant or name, src))
     return out / f"{name}.so"
 
 
