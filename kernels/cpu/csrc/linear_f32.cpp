@@ -32,16 +32,22 @@ constexpr int F32_MAX_R = 6;
 // How far ahead (in k) the block's stream is prefetched: 4 KB on AVX2 (one 64-byte line per k), 8 KB on AVX-512.
 constexpr int64_t F32_PREFETCH_K = 64;
 
+// pf: what to prefetch, one k-row of a block (64 bytes on AVX2, 128 on AVX-512) per k. The first tile over a
+// block streams it from DRAM and prefetches its own rows ahead; the later tiles read it from L2 and, compute-bound
+// there, prefetch the next block instead, so its DRAM stream runs under their FMAs (at 16 rows, the batch of a
+// c=16 decode step, the weight stream and the 2 cached passes no longer take turns).
 template <int R>
-inline void f32_tile(const float* x, int64_t xs, int64_t K, const float* blk, float* out) {
+inline void f32_tile(const float* x, int64_t xs, int64_t K, const float* blk, const float* pf, float* out) {
   vf acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     const float* w = blk + k * F32_BLOCK;
-    _mm_prefetch(reinterpret_cast<const char*>(w + F32_PREFETCH_K * F32_BLOCK), _MM_HINT_T0);
-    if constexpr (F32_BLOCK * sizeof(float) > 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w + F32_PREFETCH_K * F32_BLOCK) + 64, _MM_HINT_T0);
+    if (pf != nullptr) {  // into L2 (the next block would push this one's rows out of L1)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + k * F32_BLOCK), _MM_HINT_T1);
+      if constexpr (F32_BLOCK * sizeof(float) > 64)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + k * F32_BLOCK) + 64, _MM_HINT_T1);
+    }
     const vf w0 = vload(w), w1 = vload(w + W);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -93,9 +99,13 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
       const int64_t col = b * F32_BLOCK, n = std::min<int64_t>(F32_BLOCK, N - col);
       // rows in tiles of near-equal size (8 rows: 4 + 4, not 6 + 2: a short tile pays a whole weight load for few FMAs)
       const int64_t tiles = (M + F32_MAX_R - 1) / F32_MAX_R;
+      const float* blk = wp + b * K * F32_BLOCK;
+      const float* next = b + 1 < nb ? blk + K * F32_BLOCK : nullptr;
       for (int64_t t = 0, m = 0; t < tiles; ++t) {
         const int64_t R = M / tiles + (t < M % tiles);
-        with_rows<F32_MAX_R>(R, [&](auto r) { f32_tile<decltype(r)::value>(xp + m * xs, xs, K, wp + b * K * F32_BLOCK, acc); });
+        // the first tile: this block, F32_PREFETCH_K rows ahead; the second: the next block, all of it
+        const float* pf = t == 0 ? blk + F32_PREFETCH_K * F32_BLOCK : t == 1 ? next : nullptr;
+        with_rows<F32_MAX_R>(R, [&](auto r) { f32_tile<decltype(r)::value>(xp + m * xs, xs, K, blk, pf, acc); });
         for (int64_t r = 0; r < R; ++r) {
           float* dst = yp + (m + r) * N + col;
           if (n == F32_BLOCK) {
