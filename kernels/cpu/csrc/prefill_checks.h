@@ -1,9 +1,12 @@
 // The argument checks of the prefill attention kernels (csrc/prefill_amx.cpp, csrc/prefill_dpbf16.cpp,
-// csrc/prefill_f32.cpp): each bad value gets its own message naming it.
+// csrc/prefill_f32.cpp): each bad value gets its own message naming it. And the tiles kernels' work loop.
 #pragma once
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
+
+#include "vec.h"
 
 namespace trnd {
 
@@ -30,6 +33,19 @@ inline void check_prefill(const at::Tensor& q, const at::Tensor& kv, int64_t lay
   for (int64_t i = 0; i * P < L; ++i)
     TORCH_CHECK(0 <= table[i * ts] && table[i * ts] < kv.size(0), "pages[", i, "] = ", table[i * ts],
                 ": outside the pool's ", kv.size(0), " pages");
+}
+
+// f(rows, query head, first query) for every block of up to QR queries of a T-query chunk and every query head,
+// over the threads, the longest blocks (the last queries: the most keys) first; rows is the block's count as
+// std::integral_constant (with_rows), so each tail size runs a tile compiled for it.
+template <int QR, typename F>
+inline void for_query_blocks(int64_t T, int64_t hq, F&& f) {
+  const int64_t nb = (T + QR - 1) / QR;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t it = 0; it < nb * hq; ++it) {
+    const int64_t b = nb - 1 - it / hq, h = it % hq;
+    with_rows<QR>(std::min<int64_t>(QR, T - b * QR), [&](auto r) { f(r, h, b * QR); });
+  }
 }
 
 }  // namespace trnd

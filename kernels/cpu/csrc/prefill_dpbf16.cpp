@@ -140,12 +140,7 @@ at::Tensor prefill_attention_dpbf16(const at::Tensor& q_, const at::Tensor& kv, 
   auto out = at::empty({T, hq, D}, q.options());
   const Ctx c{static_cast<const bf16*>(q.data_ptr()), q.stride(0), q.stride(1), hq / hk, D, prior, Lp, kt.get(),
               vp.get(), static_cast<float>(scale), static_cast<bf16*>(out.data_ptr()), out.stride(0), out.stride(1)};
-  const int64_t nb = (T + QR - 1) / QR;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t it = 0; it < nb * hq; ++it) {
-    const int64_t b = nb - 1 - it / hq, h = it % hq;  // the longest blocks (last queries) first
-    with_rows<QR>(std::min<int64_t>(QR, T - b * QR), [&](auto r) { run_block<decltype(r)::value>(c, h, b * QR); });
-  }
+  for_query_blocks<QR>(T, hq, [&](auto r, int64_t h, int64_t t0) { run_block<decltype(r)::value>(c, h, t0); });
   return out;
 }
 

@@ -156,12 +156,7 @@ at::Tensor prefill_attention_f32(const at::Tensor& q_, const at::Tensor& kv, int
                  out.stride(1)};
 #pragma omp parallel for schedule(static)
   for (int64_t h = 0; h < hk; ++h) lay_out_k(c, h, kt.get() + h * Lp * D);
-  const int64_t nb = (T + FQR - 1) / FQR;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t it = 0; it < nb * hq; ++it) {
-    const int64_t b = nb - 1 - it / hq, h = it % hq;  // the longest blocks (last queries) first
-    with_rows<FQR>(std::min<int64_t>(FQR, T - b * FQR), [&](auto r) { run_f32_block<decltype(r)::value>(c, h, b * FQR); });
-  }
+  for_query_blocks<FQR>(T, hq, [&](auto r, int64_t h, int64_t t0) { run_f32_block<decltype(r)::value>(c, h, t0); });
   return out;
 }
 
