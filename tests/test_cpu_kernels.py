@@ -273,13 +273,15 @@ def test_fp32_prefill_tiles_match_reference(build, prior, q_len, group, page, d)
                                                  seed=prior + q_len)
     ops = kcpu.compiled(name)
     assert q_len > kcpu.PREFILL_MAX_Q
-    got = ops.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5)
-    assert torch.equal(got, lib.prefill_attention_f32(q, kv, 1, seq.pages, prior, d ** -0.5))  # it took the kernel
+    got = lib.prefill_attention_f32(q, kv, 1, seq.pages, prior, d ** -0.5)
     want = attention.prefill_attention(q.double(), k_new.double(), v_new.double(), kv.double(), 1, seq, page,
                                        d ** -0.5)
     torch.testing.assert_close(got.double(), want, **tol(torch.float32))
     flash = attention.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5)
     assert (got.double() - want).abs().max() <= 2 * (flash.double() - want).abs().max() + 1e-6
+    # the engine's table takes it, but on the AVX2 build past a prefix longer than the chunk (flash is faster there)
+    takes = name == "trnd_avx512" or prior <= kcpu.F32_TILES_AVX2_MAX_PRIOR * q_len
+    assert torch.equal(ops.prefill_attention(q, k_new, v_new, kv, 1, seq, page, d ** -0.5), got if takes else flash)
 
 
 @pytest.mark.parametrize("build", F32_BUILDS, indirect=True)

@@ -42,6 +42,12 @@ ROWS_MAX_CTX = 1024
 # (csrc/prefill_amx.cpp, csrc/prefill_dpbf16.cpp, csrc/prefill_f32.cpp): contexts whose copy would be larger go to
 # torch's flash kernel.
 AMX_MAX_LAYOUT_BYTES = 64 * 2**20
+# The fp32 tiles prefill kernel against torch's flash kernel (`python -m kernels.cpu.bench_prefill`, AMD Zen 4, the
+# `small` model's 12 layers, 512 queries): the AVX-512 build 1.0-1.9x at every cached prefix up to 3584; the AVX2
+# build (flash at ATen's AVX2) 1.15-1.68x while the prefix is at most the chunk, 0.86-0.93x past it (flash's blocked
+# GEMMs win the square part; ours, the causal triangle it skips). Past this prefix/chunk ratio the AVX2 build
+# leaves the chunk to flash.
+F32_TILES_AVX2_MAX_PRIOR = 1.0
 # A linear of at least this many rows runs on AMX tiles (csrc/linear.cpp's linear_amx) where the CPU has them;
 # fewer go to the dpbf16 tiles, which the weight stream bounds there. Intel Sapphire Rapids, the `small`
 # model's linears (kernels.cpu.bench_linear): dpbf16 15.6 / AMX 20.7 ms at 1 row, 20.2 / 20.3 at 8, 32.6 /
@@ -203,10 +209,13 @@ class CompiledOps:
 
     def takes_f32_tiles(self, q: torch.Tensor, kv: torch.Tensor, seq) -> bool:
         """The fp32 tiles prefill kernel (csrc/prefill_f32.cpp, both builds) takes it: an fp32 pool, head_dim a
-        multiple of 32, a context whose laid-out K fits; a build older than the kernel has none."""
+        multiple of 32, a context whose laid-out K fits, and on the AVX2 build a cached prefix no longer than the
+        chunk (F32_TILES_AVX2_MAX_PRIOR); a build older than the kernel has none."""
         if not (kv.dtype == torch.float32 and self.takes(q, kv) and hasattr(self.lib, "prefill_attention_f32")):
             return False
         d = kv.shape[5]
+        if self.lib.__name__.endswith("trnd_avx2") and seq.ctx_len - seq.q_len > F32_TILES_AVX2_MAX_PRIOR * seq.q_len:
+            return False
         return d % 32 == 0 and 4 * seq.ctx_len * kv.shape[3] * d <= AMX_MAX_LAYOUT_BYTES
 
     def takes_rows(self, kv: torch.Tensor, seq) -> bool:

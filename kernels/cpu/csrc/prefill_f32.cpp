@@ -11,8 +11,9 @@
 //   O = O * alpha + P V: the same 6 rows by 2 vectors of head_dim, over the block's keys, V read in place from
 //     its pages (a row pointer per key).
 // 12 accumulators + 2 operand vectors + a broadcast: AVX2's 16 registers. Flash-style: per (query head, block
-// of 6 queries) the keys go KB at a time up to the block's last query, with an online softmax (max and sum per
-// row, O rescaled as each key block is added). The G query heads of a KV head share its laid-out K (in cache).
+// of 6 queries) the keys go 64 at a time (the S tiles of a step side by side) up to the block's last query, with
+// an online softmax (max and sum per row, O rescaled as each step's keys are added): per-row costs (the max, the
+// sum, the rescale of O) once per 64 keys, not per tile. The G query heads of a KV head share its laid-out K (in cache).
 // head_dim a multiple of 32.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -29,7 +30,8 @@
 namespace trnd {
 namespace {
 
-constexpr int64_t FKB = 2 * W;  // keys per block
+constexpr int64_t FKB = 2 * W;  // keys per S tile
+constexpr int64_t FSTEP = 64;   // keys per softmax step: 4 tiles on AVX2, 2 on AVX-512
 constexpr int FQR = 6;          // queries per block
 constexpr int64_t F_MAX_D = 256;
 constexpr float F_NEG_INF = -std::numeric_limits<float>::infinity();
@@ -71,19 +73,19 @@ void run_f32_block(const F32Ctx& c, int64_t hq, int64_t t0) {
   const int64_t h = hq / c.G, D = c.D;
   const float* x = c.q + t0 * c.qs0 + hq * c.qs1;
   const float* kt = c.kt + h * c.Lp * D;
-  alignas(64) float s[R * FKB];
+  alignas(64) float s[R * FSTEP];
   alignas(64) float o[R * F_MAX_D];
-  const float* vrow[FKB];
+  const float* vrow[FSTEP];
   float m[R], l[R], alpha[R];
   for (int r = 0; r < R; ++r) m[r] = F_NEG_INF, l[r] = 0.0f;
   std::fill(o, o + R * D, 0.0f);
   const int64_t last = c.prior + t0 + R - 1;  // the block's last query's position: its keys are [0, last]
-  for (int64_t b = 0; b * FKB <= last; ++b) {
-    {  // S = x K^T over this key block
+  for (int64_t k0 = 0; k0 <= last; k0 += FSTEP) {
+    for (int64_t kb0 = 0; kb0 < FSTEP; kb0 += FKB) {  // S = x K^T, one tile of KB keys at a time
       vf acc[R][2];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
-      const float* kb = kt + b * FKB * D;
+      const float* kb = kt + (k0 + kb0) * D;
       for (int64_t d = 0; d < D; ++d) {
         const vf w0 = vload(kb + d * FKB), w1 = vload(kb + d * FKB + W);
 #pragma GCC unroll 8
@@ -95,24 +97,28 @@ void run_f32_block(const F32Ctx& c, int64_t hq, int64_t t0) {
       }
       const vf sc = vset(c.scale);
       for (int r = 0; r < R; ++r) {
-        vstore(s + r * FKB, vmul(acc[r][0], sc));
-        vstore(s + r * FKB + W, vmul(acc[r][1], sc));
+        vstore(s + r * FSTEP + kb0, vmul(acc[r][0], sc));
+        vstore(s + r * FSTEP + kb0 + W, vmul(acc[r][1], sc));
       }
     }
-    for (int r = 0; r < R; ++r) {  // the online softmax, row by row
-      float* sr = s + r * FKB;
-      const int64_t first_masked = std::max<int64_t>(0, c.prior + t0 + r - b * FKB + 1);  // keys past row r's position
-      for (int64_t j = first_masked; j < FKB; ++j) sr[j] = F_NEG_INF;
-      const float mnew = std::max(m[r], vhmax(vmax(vload(sr), vload(sr + W))));  // finite: block 0 has key 0
+    for (int r = 0; r < R; ++r) {  // the online softmax over the step's keys, row by row
+      float* sr = s + r * FSTEP;
+      const int64_t first_masked = std::max<int64_t>(0, c.prior + t0 + r - k0 + 1);  // keys past row r's position
+      for (int64_t j = first_masked; j < FSTEP; ++j) sr[j] = F_NEG_INF;
+      vf mx = vload(sr);
+      for (int64_t j = W; j < FSTEP; j += W) mx = vmax(mx, vload(sr + j));
+      const float mnew = std::max(m[r], vhmax(mx));  // finite: the first step has key 0
       alpha[r] = m[r] == F_NEG_INF ? 0.0f : std::exp(m[r] - mnew);
-      const vf e0 = vexp(vsub(vload(sr), vset(mnew))), e1 = vexp(vsub(vload(sr + W), vset(mnew)));
-      vstore(sr, e0);
-      vstore(sr + W, e1);
-      for (int64_t j = first_masked; j < FKB; ++j) sr[j] = 0.0f;  // vexp gives ~1e-38 for -inf, not 0
-      l[r] = l[r] * alpha[r] + vsum(vadd(vload(sr), vload(sr + W)));
+      const vf mv = vset(mnew);
+      for (int64_t j = 0; j < FSTEP; j += W) vstore(sr + j, vexp(vsub(vload(sr + j), mv)));
+      for (int64_t j = first_masked; j < FSTEP; ++j) sr[j] = 0.0f;  // vexp gives ~1e-38 for -inf, not 0
+      vf sum = vload(sr);
+      for (int64_t j = W; j < FSTEP; j += W) sum = vadd(sum, vload(sr + j));
+      l[r] = l[r] * alpha[r] + vsum(sum);
       m[r] = mnew;
     }
-    for (int64_t j = 0; j < FKB; ++j) vrow[j] = c.v_row(h, b * FKB + j);
+    const int64_t keys = std::min<int64_t>(FSTEP, last + 1 - k0);  // past these, every row's P is 0
+    for (int64_t j = 0; j < keys; ++j) vrow[j] = c.v_row(h, k0 + j);
     for (int64_t dc = 0; dc < D; dc += 2 * W) {  // O = O * alpha + P V, two vectors of head_dim at a time
       vf acc[R][2];
 #pragma GCC unroll 8
@@ -120,11 +126,11 @@ void run_f32_block(const F32Ctx& c, int64_t hq, int64_t t0) {
         acc[r][0] = vmul(vload(o + r * D + dc), vset(alpha[r]));
         acc[r][1] = vmul(vload(o + r * D + dc + W), vset(alpha[r]));
       }
-      for (int64_t j = 0; j < FKB; ++j) {
+      for (int64_t j = 0; j < keys; ++j) {
         const vf v0 = vload(vrow[j] + dc), v1 = vload(vrow[j] + dc + W);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const vf pb = vset(s[r * FKB + j]);
+          const vf pb = vset(s[r * FSTEP + j]);
           acc[r][0] = vfma(pb, v0, acc[r][0]);
           acc[r][1] = vfma(pb, v1, acc[r][1]);
         }
@@ -147,7 +153,7 @@ at::Tensor prefill_attention_f32(const at::Tensor& q_, const at::Tensor& kv, int
   check_prefill(q_, kv, layer, pages, prior, 32, F_MAX_D, at::kFloat);
   const at::Tensor q = q_.stride(2) == 1 ? q_ : q_.contiguous();
   const int64_t T = q.size(0), hq = q.size(1), D = q.size(2), hk = kv.size(3), P = kv.size(4), L = prior + T;
-  const int64_t Lp = (L + FKB - 1) / FKB * FKB;
+  const int64_t Lp = (L + FSTEP - 1) / FSTEP * FSTEP;
   std::unique_ptr<float[]> kt(new float[hk * Lp * D]);  // lay_out_k writes all of it
   auto out = at::empty({T, hq, D}, q.options());
   const F32Ctx c{q.data_ptr<float>(), q.stride(0), q.stride(1), hq / hk, D, prior, L, Lp, kt.get(),
