@@ -173,6 +173,9 @@ def _bench_parser(sub) -> None:
     e.add_argument("--compare-dtype", choices=["bfloat16", "float32"],
                    help="trnd at --dtype against trnd at this dtype (no transformers), alternated --rounds times")
     e.add_argument("--rounds", type=int, default=1, help="with --compare-dtype: alternated rounds, best of each")
+    e.add_argument("--floor-rounds", type=int, default=0, metavar="N",
+                   help="then N rounds of (read bandwidth, batch-1 decode step) back to back in one process: the "
+                        "step against the bandwidth floor per round, and the median ratio")
     d = bsub.add_parser("disagg", help="NIXL throughput vs memcpy; TTFT disaggregated vs aggregated, pipelining "
                                        "on and off")
     d.add_argument("--model", default="small", help="model dir or preset (default small)")

@@ -4,6 +4,11 @@
    in-process memcpy of the same bytes.
 2. TTFT for long prompts: a local prefill + decode deployment vs the aggregated server, same model.
 3. The same deployment with pipelining off (KV written only after the last chunk).
+
+The three servers are up at once and take the same prompt in turn (the order rotating each repetition), so a
+host whose speed drifts by 15-25% over minutes (these shared 2-core machines) slows all three alike: measured one
+after the other, the servers differed by a "fixed gap" of 100-450 ms that was that drift. An idle server costs the
+busy one nothing measurable (docs/RESULTS.md, "The pair's TTFT gap, explained").
 """
 
 from __future__ import annotations
@@ -104,19 +109,16 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def ttft(port: int, prompt: list[int], reps: int) -> float:
-    """Median seconds from sending a streamed completion to its first token (prefix cache off)."""
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=600,
-                          json={"model": "m", "prompt": prompt, "max_tokens": 2, "stream": True,
-                                "ignore_eos": True, "temperature": 0}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    out.append(time.perf_counter() - t)
-                    break
-    return statistics.median(out)
+def ttft(port: int, prompt: list[int]) -> float:
+    """Seconds from sending a streamed completion to its first token (prefix cache off)."""
+    t = time.perf_counter()
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=600,
+                      json={"model": "m", "prompt": prompt, "max_tokens": 2, "stream": True,
+                            "ignore_eos": True, "temperature": 0}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - t
+    raise RuntimeError(f"no token from the server on port {port}")
 
 
 def start(kind: str, model: str, point: str, kv_gb: float, tmp: Path, threads: int | None
@@ -141,7 +143,12 @@ def start(kind: str, model: str, point: str, kv_gb: float, tmp: Path, threads: i
                                    *extra], stdout=log, stderr=subprocess.STDOUT),
                  subprocess.Popen([*exe, "decode", *common, "--port", str(port), "--prefill", f"127.0.0.1:{cp}",
                                    "--served-model-name", "m"], stdout=log, stderr=subprocess.STDOUT)]
-    wait_ready(port, procs)
+    try:
+        wait_ready(port, procs)
+    except RuntimeError as e:
+        _stop(procs)
+        tail = (tmp / f"{kind}.log").read_text(errors="replace").strip().splitlines()[-3:]
+        raise RuntimeError(f"{kind}: {e}; the end of its log: " + " | ".join(tail)) from None
     return procs, port, None if kind == "aggregated" else ap
 
 
@@ -163,26 +170,40 @@ def main(args) -> int:
     g = torch.Generator().manual_seed(0)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompts = {n: torch.randint(10, min(vocab, 15000), (n,), generator=g).tolist() for n in lengths}
-    results: dict[str, dict[int, float]] = {}
+    kinds = ("aggregated", "disagg", "disagg-nopipe")
+    runs: dict[str, dict[int, list[float]]] = {k: {n: [] for n in lengths} for k in kinds}
     handoffs: dict[str, dict] = {}
+    servers: dict[str, tuple[list, int, int | None]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("aggregated", "disagg", "disagg-nopipe"):
-            procs, port, admin = start(kind, model, args.point, args.kv_memory_gb, Path(tmp), args.threads)
-            try:
-                ttft(port, prompts[lengths[0]][:256], 1)  # warm-up
-                results[kind] = {n: ttft(port, prompts[n], args.reps) for n in lengths}
+        try:
+            for kind in kinds:
+                servers[kind] = start(kind, model, args.point, args.kv_memory_gb, Path(tmp), args.threads)
+                ttft(servers[kind][1], prompts[lengths[0]][:256])  # warm-up
+            for rep in range(args.reps):
+                for n in lengths:
+                    for kind in kinds[rep % 3:] + kinds[:rep % 3]:  # each server first in turn
+                        runs[kind][n].append(ttft(servers[kind][1], prompts[n]))
+                print(f"  repetition {rep + 1}: " + "; ".join(
+                    f"{k} " + ", ".join(f"{runs[k][n][-1] * 1e3:.0f}" for n in lengths) for k in kinds), flush=True)
+            for kind, (_, _, admin) in servers.items():
                 if admin is not None:
                     handoffs[kind] = httpx.get(f"http://127.0.0.1:{admin}/admin/state", timeout=10
                                                ).json()["transfers"]
-            finally:
+        finally:
+            for procs, _, _ in servers.values():
                 _stop(procs)
-            print(f"  measured {kind}: " + ", ".join(f"{n}: {t * 1e3:.0f} ms" for n, t in results[kind].items()),
-                  flush=True)
-    print("\n2-3. TTFT (median of", args.reps, "), prefix cache off")
+    med = {k: {n: statistics.median(v) for n, v in runs[k].items()} for k in kinds}
+
+    def paired(kind: str, n: int) -> float:  # median over repetitions of this server's TTFT / the aggregated one's
+        return statistics.median(x / a for x, a in zip(runs[kind][n], runs["aggregated"][n]))
+
+    print(f"\n2-3. TTFT (median of {args.reps}, the three servers up at once and taking each prompt in turn; "
+          "ratio: median of the per-prompt ratios), prefix cache off")
     print(f"{'prompt':>8}{'aggregated':>12}{'disagg':>10}{'ratio':>8}{'no pipeline':>13}{'ratio':>8}")
     for n in lengths:
-        a, d, np_ = results["aggregated"][n], results["disagg"][n], results["disagg-nopipe"][n]
-        print(f"{n:>8}{a * 1e3:>10.0f}ms{d * 1e3:>8.0f}ms{d / a:>7.2f}x{np_ * 1e3:>11.0f}ms{np_ / a:>7.2f}x")
+        a, d, np_ = med["aggregated"][n], med["disagg"][n], med["disagg-nopipe"][n]
+        print(f"{n:>8}{a * 1e3:>10.0f}ms{d * 1e3:>8.0f}ms{paired('disagg', n):>7.2f}x{np_ * 1e3:>11.0f}ms"
+              f"{paired('disagg-nopipe', n):>7.2f}x")
     print("\nThe handoff inside the roles (prefill's /admin/state, every transfer of the run):")
     for kind, t in handoffs.items():
         mb, ms = t["bytes"] / 1e6, t["xfer_ms"]

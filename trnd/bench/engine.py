@@ -11,6 +11,7 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import statistics
 import time
 from trnd.bench import cpu_line
 
@@ -85,9 +86,36 @@ def _hf_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[in
     return res
 
 
+def _floor_side(model: str, dtype: str, prompt_len: int, new: int, rounds: int) -> dict:
+    """Rounds of (read bandwidth, batch-1 decode step) back to back: the host's bandwidth drifts by 20% and more
+    over minutes here, so a step and a floor measured apart compare two different machines."""
+    from trnd.sampling_params import SamplingParams
+    from trnd.llm import LLM
+
+    llm = LLM(model, dtype=dtype, page_size=16, num_pages=(DECODE_PROMPT + new) // 16 + 64, max_batch=1,
+              prefix_cache=False, chunk_size=2048, token_budget=2048, threads=os.cpu_count() or 1)
+    vocab = llm.engine.model_config.vocab_size
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(_prompts(1, 32, vocab, 99), one)  # warm-up
+    out = []
+    for r in range(rounds):
+        bw = read_bandwidth_gbs()
+        ps = _prompts(1, DECODE_PROMPT, vocab, r)
+        t = time.perf_counter()
+        llm.generate(ps, one)
+        t_pre = time.perf_counter() - t
+        t = time.perf_counter()
+        llm.generate(ps, SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True))
+        out.append((bw, (time.perf_counter() - t - t_pre) / new))
+    llm.engine.close()
+    return {"rounds": out}
+
+
 def _child(side: str, args: tuple, conn) -> None:
     if side.startswith("trnd-tp"):
         fn, args = _trnd_side, (*args, int(side.removeprefix("trnd-tp")))
+    elif side == "floor":
+        fn = _floor_side
     else:
         fn = _trnd_side if side == "trnd" else _hf_side
     try:
@@ -189,4 +217,16 @@ def main(args) -> int:
     print(f"weights {wb / 1e6:.0f} MB, measured read bandwidth {bw:.1f} GB/s -> bandwidth floor "
           f"{floor_ms:.1f} ms/step" + (f"; trnd batch-1 step {step_ms:.1f} ms = {floor_ms / step_ms:.0%} of the "
                                         "bandwidth limit" if step_ms else ""))
+    if args.floor_rounds > 0:
+        rounds = run_side("floor", (model, args.dtype, args.prompt_len, args.new_tokens, args.floor_rounds))["rounds"]
+        print(f"\nbatch-1 step against the bandwidth floor, {args.floor_rounds} round(s) of (read bandwidth, "
+              f"{args.new_tokens} decode steps) back to back:")
+        print(f"{'round':>6}{'GB/s':>8}{'floor ms':>10}{'step ms':>9}{'step/floor':>12}")
+        ratios = []
+        for i, (gbs, step_s) in enumerate(rounds, 1):
+            fl = wb / (gbs * 1e9)
+            ratios.append(step_s / fl)
+            print(f"{i:>6}{gbs:>8.1f}{fl * 1e3:>10.2f}{step_s * 1e3:>9.2f}{ratios[-1]:>11.2f}x")
+        print(f"median step/floor {statistics.median(ratios):.2f}x (best {min(ratios):.2f}x, worst "
+              f"{max(ratios):.2f}x)")
     return 0
