@@ -14,6 +14,7 @@ import torch
 
 from kernels import TORCH_OPS, norm
 from kernels import attention as twin_attention
+from kernels.cases import make_decode_case
 from trnd import check
 from trnd.backends import Backend, BackendUnavailable, get_backend
 from trnd.backends import neuron as neuron_mod
@@ -162,7 +163,7 @@ def test_neuron_ops_use_the_twin_outside_the_kernel_constraints():
     ops = NeuronBackend().ops
     x, w = torch.randn(3, 9000), torch.rand(9000)  # hidden > 8192: outside rms_norm's supports()
     assert torch.equal(ops.rms_norm(x, w, 1e-6), norm.rms_norm(x, w, 1e-6))
-    q, kv, meta = check.make_decode_case([5, 20], 4, 2, 256, 16)  # head_dim 256 > 128
+    q, kv, meta = make_decode_case([5, 20], 4, 2, 256, 16)  # head_dim 256 > 128
     assert torch.equal(ops.decode_attention(q, kv, 0, meta, 0.1), twin_attention.decode_attention(q, kv, 0, meta, 0.1))
     with pytest.raises(SDKMissing, match="needs the Neuron SDK"):  # inside: the kernel, which needs the SDK
         ops.rms_norm(torch.randn(3, 64), torch.rand(64), 1e-6)

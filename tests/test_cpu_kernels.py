@@ -16,7 +16,7 @@ from kernels import TORCH_OPS, attention
 from kernels import cpu as kcpu
 from kernels.attention import AttnMeta, PrefillSeq
 from kernels.cpuinfo import cpu_info
-from trnd.check import make_prefill_case
+from kernels.cases import make_prefill_case
 
 HOST = cpu_info()
 HOST_LEVEL = ("default", "avx2", "avx512", "avx512_bf16").index(HOST.isa)

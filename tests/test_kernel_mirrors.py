@@ -18,7 +18,8 @@ from kernels.nki import decode_attention as k_decode
 from kernels.nki import prefill_attention as k_prefill
 from kernels.nki import rmsnorm as k_norm
 from kernels.nki import rotary as k_rotary
-from trnd.check import kernel_cases, make_decode_case, make_prefill_case
+from kernels.cases import make_decode_case, make_prefill_case
+from trnd.check import kernel_cases
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 

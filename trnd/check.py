@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels import TORCH_OPS
-from kernels.attention import AttnMeta, PrefillSeq, write_kv
+from kernels.attention import AttnMeta, PrefillSeq
+from kernels.cases import make_decode_case, make_prefill_case
 from trnd.backends import NAMES, Backend, BackendUnavailable, get_backend
 
 EX_UNAVAILABLE = 69
@@ -36,43 +37,6 @@ class Result:
 
     def line(self) -> str:
         return f"{'ok  ' if self.ok else 'FAIL'} {self.name}: {self.detail}"
-
-
-def make_decode_case(ctxs, hq, hk, d, page_size, layers=2, dtype=torch.float32, seed=0, spare_pages=3):
-    """q [B, Hq, D], a KV pool filled with noise everywhere (a slot read past ctx shows up), and AttnMeta
-    with a ragged page table of distinct shuffled pages per sequence, padded with each one's first page."""
-    g = torch.Generator().manual_seed(seed)
-    needed = [-(-c // page_size) for c in ctxs]
-    num_pages = sum(needed) + spare_pages
-    kv = torch.randn(num_pages, layers, 2, hk, page_size, d, generator=g).to(dtype)
-    perm = torch.randperm(num_pages, generator=g)
-    tables, at = [], 0
-    for n in needed:
-        tables.append(perm[at:at + n].tolist())
-        at += n
-    width = max(needed)
-    pages = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
-    none = torch.zeros(0, dtype=torch.long)
-    meta = AttnMeta(none, none, len(ctxs), pages, torch.tensor(ctxs), [])
-    q = torch.randn(len(ctxs), hq, d, generator=g).to(dtype)
-    return q, kv, meta
-
-
-def make_prefill_case(prior, q_len, hq, hk, d, page_size, layers=2, dtype=torch.float32, seed=0):
-    """A pool of noise and a sequence whose first `prior` tokens are cached in shuffled pages, plus a chunk of
-    q_len new tokens whose K/V are already written into its pages (in every layer), as the model writes them
-    before attention -> (q, k_new, v_new, kv, PrefillSeq)."""
-    g = torch.Generator().manual_seed(seed)
-    ctx = prior + q_len
-    n = -(-ctx // page_size)
-    kv = torch.randn(n + 3, layers, 2, hk, page_size, d, generator=g).to(dtype)
-    pages = torch.randperm(n + 3, generator=g)[:n]
-    q, k_new, v_new = (torch.randn(q_len, h, d, generator=g).to(dtype) for h in (hq, hk, hk))
-    tok = torch.arange(prior, ctx)
-    meta = AttnMeta(pages[tok // page_size], tok % page_size, 0, None, None, [])
-    for layer in range(layers):
-        write_kv(kv, layer, k_new, v_new, meta)
-    return q, k_new, v_new, kv, PrefillSeq(0, q_len, ctx, pages)
 
 
 def _to(x, device: str):

@@ -19,6 +19,7 @@ import time
 import torch
 
 from kernels import attention
+from kernels.cases import make_prefill_case
 from kernels.cpu import load_library, variant_for
 from kernels.cpuinfo import cpu_info
 
@@ -26,8 +27,6 @@ HQ, HK, D, LAYERS, PAGE = 12, 4, 64, 12, 16
 
 
 def main(argv=None) -> int:
-    from trnd.check import make_prefill_case
-
     ap = argparse.ArgumentParser(prog="python -m kernels.cpu.bench_prefill")
     ap.add_argument("--q-len", type=int, default=512)
     ap.add_argument("--prior", type=int, nargs="+", default=[0, 1536])
