@@ -141,6 +141,9 @@ class CompiledOps:
 
     def __init__(self, lib, dpbf16: bool, amx: bool = False):
         self.lib, self.dpbf16, self.amx = lib, dpbf16, amx
+        # known once, not asked per chunk: a build without the fp32 tiles, and the AVX2 build's prefix rule
+        self.f32_tiles = hasattr(lib, "prefill_attention_f32")
+        self.avx2 = lib.__name__.endswith("trnd_avx2")
 
     @staticmethod
     def takes(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -211,10 +214,10 @@ class CompiledOps:
         """The fp32 tiles prefill kernel (csrc/prefill_f32.cpp, both builds) takes it: an fp32 pool, head_dim a
         multiple of 32, a context whose laid-out K fits, and on the AVX2 build a cached prefix no longer than the
         chunk (F32_TILES_AVX2_MAX_PRIOR); a build older than the kernel has none."""
-        if not (kv.dtype == torch.float32 and self.takes(q, kv) and hasattr(self.lib, "prefill_attention_f32")):
+        if not (kv.dtype == torch.float32 and self.f32_tiles and self.takes(q, kv)):
             return False
         d = kv.shape[5]
-        if self.lib.__name__.endswith("trnd_avx2") and seq.ctx_len - seq.q_len > F32_TILES_AVX2_MAX_PRIOR * seq.q_len:
+        if self.avx2 and seq.ctx_len - seq.q_len > F32_TILES_AVX2_MAX_PRIOR * seq.q_len:
             return False
         return d % 32 == 0 and 4 * seq.ctx_len * kv.shape[3] * d <= AMX_MAX_LAYOUT_BYTES
 
@@ -337,4 +340,4 @@ def cpu_ops() -> Ops:
     amx = amx_usable(info, name, lib)
     log.info("cpu kernels: %s%s%s on %s", name, " with dpbf16" if dpbf16 else "", " and AMX prefill" if amx else "",
              info.summary())
-    return compiled(name, dpbf16, amx)
+    return ops_table(CompiledOps(lib, dpbf16, amx))  # the build _cpu_build loaded (compiled() would load it again)
