@@ -22,45 +22,14 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "f32_tile.h"
 #include "vec.h"
 
 namespace trnd {
 namespace {
 
-constexpr int64_t F32_BLOCK = 2 * W;  // output columns per block
-constexpr int F32_MAX_R = 6;
 // How far ahead (in k) the block's stream is prefetched: 4 KB on AVX2 (one 64-byte line per k), 8 KB on AVX-512.
 constexpr int64_t F32_PREFETCH_K = 64;
-
-// pf: what to prefetch, one k-row of a block (64 bytes on AVX2, 128 on AVX-512) per k. The first tile over a
-// block streams it from DRAM and prefetches its own rows ahead; the later tiles read it from L2 and, compute-bound
-// there, prefetch the next block instead, so its DRAM stream runs under their FMAs (at 16 rows, the batch of a
-// c=16 decode step, the weight stream and the 2 cached passes no longer take turns).
-template <int R>
-inline void f32_tile(const float* x, int64_t xs, int64_t K, const float* blk, const float* pf, float* out) {
-  vf acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* w = blk + k * F32_BLOCK;
-    if (pf != nullptr) {  // into L2 (the next block would push this one's rows out of L1)
-      _mm_prefetch(reinterpret_cast<const char*>(pf + k * F32_BLOCK), _MM_HINT_T1);
-      if constexpr (F32_BLOCK * sizeof(float) > 64)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + k * F32_BLOCK) + 64, _MM_HINT_T1);
-    }
-    const vf w0 = vload(w), w1 = vload(w + W);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const vf xb = vset(x[r * xs + k]);
-      acc[r][0] = vfma(xb, w0, acc[r][0]);
-      acc[r][1] = vfma(xb, w1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    vstore(out + r * F32_BLOCK, acc[r][0]);
-    vstore(out + r * F32_BLOCK + W, acc[r][1]);
-  }
-}
 
 at::Tensor pack_linear_f32(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "weight: want a float32 [N, K], got ", w.scalar_type(),

@@ -24,13 +24,14 @@
 #include <limits>
 #include <memory>
 
+#include "f32_tile.h"
 #include "prefill_checks.h"
 #include "vec.h"
 
 namespace trnd {
 namespace {
 
-constexpr int64_t FKB = 2 * W;  // keys per S tile
+constexpr int64_t FKB = F32_BLOCK;  // keys per S tile (f32_tile.h)
 constexpr int64_t FSTEP = 64;   // keys per softmax step: 4 tiles on AVX2, 2 on AVX-512
 constexpr int FQR = 6;          // queries per block
 constexpr int64_t F_MAX_D = 256;
@@ -81,36 +82,19 @@ void run_f32_block(const F32Ctx& c, int64_t hq, int64_t t0) {
   std::fill(o, o + R * D, 0.0f);
   const int64_t last = c.prior + t0 + R - 1;  // the block's last query's position: its keys are [0, last]
   for (int64_t k0 = 0; k0 <= last; k0 += FSTEP) {
-    for (int64_t kb0 = 0; kb0 < FSTEP; kb0 += FKB) {  // S = x K^T, one tile of KB keys at a time
-      vf acc[R][2];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
-      const float* kb = kt + (k0 + kb0) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const vf w0 = vload(kb + d * FKB), w1 = vload(kb + d * FKB + W);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const vf xb = vset(x[r * c.qs0 + d]);
-          acc[r][0] = vfma(xb, w0, acc[r][0]);
-          acc[r][1] = vfma(xb, w1, acc[r][1]);
-        }
-      }
-      const vf sc = vset(c.scale);
-      for (int r = 0; r < R; ++r) {
-        vstore(s + r * FSTEP + kb0, vmul(acc[r][0], sc));
-        vstore(s + r * FSTEP + kb0 + W, vmul(acc[r][1], sc));
-      }
-    }
+    for (int64_t kb0 = 0; kb0 < FSTEP; kb0 += FKB)  // S = x K^T (unscaled), one tile of KB keys at a time
+      f32_tile<R>(x, c.qs0, D, kt + (k0 + kb0) * D, nullptr, s + kb0, FSTEP);
     for (int r = 0; r < R; ++r) {  // the online softmax over the step's keys, row by row
       float* sr = s + r * FSTEP;
       const int64_t first_masked = std::max<int64_t>(0, c.prior + t0 + r - k0 + 1);  // keys past row r's position
       for (int64_t j = first_masked; j < FSTEP; ++j) sr[j] = F_NEG_INF;
       vf mx = vload(sr);
       for (int64_t j = W; j < FSTEP; j += W) mx = vmax(mx, vload(sr + j));
-      const float mnew = std::max(m[r], vhmax(mx));  // finite: the first step has key 0
+      // scale > 0: the max of the scaled scores is the scaled max, rounding included
+      const float mnew = std::max(m[r], c.scale * vhmax(mx));  // finite: the first step has key 0
       alpha[r] = m[r] == F_NEG_INF ? 0.0f : std::exp(m[r] - mnew);
-      const vf mv = vset(mnew);
-      for (int64_t j = 0; j < FSTEP; j += W) vstore(sr + j, vexp(vsub(vload(sr + j), mv)));
+      const vf mv = vset(mnew), sc = vset(c.scale);
+      for (int64_t j = 0; j < FSTEP; j += W) vstore(sr + j, vexp(vsub(vmul(vload(sr + j), sc), mv)));
       for (int64_t j = first_masked; j < FSTEP; ++j) sr[j] = 0.0f;  // vexp gives ~1e-38 for -inf, not 0
       vf sum = vload(sr);
       for (int64_t j = W; j < FSTEP; j += W) sum = vadd(sum, vload(sr + j));
