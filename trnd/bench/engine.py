@@ -42,17 +42,23 @@ def _trnd_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[
     llm.generate(p, one)
     res["prefill_s"] = time.perf_counter() - t
     for b in batches:
-        ps = _prompts(b, DECODE_PROMPT, vocab, b)
-        t = time.perf_counter()
-        llm.generate(ps, one)
-        t_pre = time.perf_counter() - t
-        t = time.perf_counter()
-        outs = llm.generate(ps, SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True))
-        total = time.perf_counter() - t
-        assert all(len(o.token_ids) == new + 1 for o in outs)
-        res[f"decode_b{b}_s"] = total - t_pre
+        res[f"decode_b{b}_s"] = _decode_s(llm, _prompts(b, DECODE_PROMPT, vocab, b), new)
     llm.engine.close()
     return res
+
+
+def _decode_s(llm, ps: list[list[int]], new: int) -> float:
+    """Seconds for `new` greedy tokens of every prompt, their prefill (timed alone first) subtracted."""
+    from trnd.sampling_params import SamplingParams
+
+    t = time.perf_counter()
+    llm.generate(ps, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    t_pre = time.perf_counter() - t
+    t = time.perf_counter()
+    outs = llm.generate(ps, SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True))
+    total = time.perf_counter() - t
+    assert all(len(o.token_ids) == new + 1 for o in outs)
+    return total - t_pre
 
 
 def _hf_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[int]) -> dict:
@@ -86,7 +92,7 @@ def _hf_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[in
     return res
 
 
-def _floor_side(model: str, dtype: str, prompt_len: int, new: int, rounds: int) -> dict:
+def _floor_side(model: str, dtype: str, new: int, rounds: int) -> dict:
     """Rounds of (read bandwidth, batch-1 decode step) back to back: the host's bandwidth drifts by 20% and more
     over minutes here, so a step and a floor measured apart compare two different machines."""
     from trnd.sampling_params import SamplingParams
@@ -100,13 +106,7 @@ def _floor_side(model: str, dtype: str, prompt_len: int, new: int, rounds: int) 
     out = []
     for r in range(rounds):
         bw = read_bandwidth_gbs()
-        ps = _prompts(1, DECODE_PROMPT, vocab, r)
-        t = time.perf_counter()
-        llm.generate(ps, one)
-        t_pre = time.perf_counter() - t
-        t = time.perf_counter()
-        llm.generate(ps, SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True))
-        out.append((bw, (time.perf_counter() - t - t_pre) / new))
+        out.append((bw, _decode_s(llm, _prompts(1, DECODE_PROMPT, vocab, r), new) / new))
     llm.engine.close()
     return {"rounds": out}
 
@@ -218,7 +218,7 @@ def main(args) -> int:
           f"{floor_ms:.1f} ms/step" + (f"; trnd batch-1 step {step_ms:.1f} ms = {floor_ms / step_ms:.0%} of the "
                                         "bandwidth limit" if step_ms else ""))
     if args.floor_rounds > 0:
-        rounds = run_side("floor", (model, args.dtype, args.prompt_len, args.new_tokens, args.floor_rounds))["rounds"]
+        rounds = run_side("floor", (model, args.dtype, args.new_tokens, args.floor_rounds))["rounds"]
         print(f"\nbatch-1 step against the bandwidth floor, {args.floor_rounds} round(s) of (read bandwidth, "
               f"{args.new_tokens} decode steps) back to back:")
         print(f"{'round':>6}{'GB/s':>8}{'floor ms':>10}{'step ms':>9}{'step/floor':>12}")
