@@ -410,7 +410,6 @@ def test_a_missing_build_is_reported_not_fatal(tmp_path, monkeypatch):
     (tmp_path / "trnd_avx2" / "source_digest").write_text("0123456789abcdef")
     lib, why = kcpu.load_library("trnd_avx2")
     assert lib is None and "built from other sources" in why
-    assert (build.BUILD / "trnd_avx2" / "source_digest").read_text() != build.source_digest("trnd_avx2")
 
 
 def test_the_builds_here_are_from_these_sources(tmp_path):
