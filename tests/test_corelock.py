@@ -112,3 +112,26 @@ def test_the_local_deployment_gives_its_roles_one_lock(tmp_path, share):
     children = role_configs(ServeConfig(model="/nonexistent", share_cores=share, core_lock=mine), "/nonexistent",
                             tmp_path)
     assert {tomllib.loads(open(c.config).read()).get("core_lock") for c in children} == {mine}
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_decode_role_prefills_short_prompts_itself_only_on_shared_cores(tmp_path, share):
+    """local_prefill_tokens auto: Dynamo's 1000 where the roles take turns on one node's cores, 0 (every prompt
+    to the prefill peer) where they do not; what the operator sets wins either way, and `trnd serve` passes it."""
+    import tomllib
+
+    from trnd.config import ConfigError, DecodeConfig, ServeConfig, load_config
+    from trnd.roles.decode import LOCAL_PREFILL_SHARED_CORES, local_prefill_tokens
+    from trnd.roles.local import role_configs
+
+    def decode_cfg(**kw) -> DecodeConfig:
+        children = role_configs(ServeConfig(model="/nonexistent", share_cores=share, **kw), "/nonexistent", tmp_path)
+        dec = next(c for c in children if c.name == "decode")
+        return load_config(DecodeConfig, dec.config, {})
+
+    assert local_prefill_tokens(decode_cfg()) == (LOCAL_PREFILL_SHARED_CORES if share else 0)
+    assert local_prefill_tokens(decode_cfg(local_prefill_tokens=0)) == 0
+    assert local_prefill_tokens(decode_cfg(local_prefill_tokens=64)) == 64
+    assert tomllib.loads(open(tmp_path / "prefill0.toml").read()).get("local_prefill_tokens") is None
+    with pytest.raises(ConfigError, match="local_prefill_tokens"):
+        load_config(DecodeConfig, None, {"local_prefill_tokens": -1})

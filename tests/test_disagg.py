@@ -146,6 +146,32 @@ def test_forged_and_malformed_control_messages_are_dropped(dep):
     assert dep.complete([1, 2, 3], max_tokens=2)["status"] == 200  # the real peer is unaffected
 
 
+def test_short_prompts_are_prefilled_on_decode_long_ones_handed_off(tiny_qwen3, secret):
+    """Conditional disaggregation (local_prefill_tokens): a prompt whose uncached part is short is computed
+    by the decode server itself, a longer one (and the rest of a long prompt past decode's own cache hit,
+    when that is short) by the peer; the output is the aggregated engine's either way and no page leaks."""
+    ps = prompts([7, 300, 1100], seed=6)
+    expected = aggregated(tiny_qwen3, ps, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    d = Deployment(tiny_qwen3, secret, decode_extra=("--local-prefill-tokens", "400"))
+    try:
+        def counts():
+            st = admin_state(d.port)["transfers"]
+            return st["local_prefills"], st["handoffs"], admin_state(d.prefills[0][2])["transfers"]["requests"]
+
+        before = counts()  # the warm-up's request
+        got = [d.complete(p, max_tokens=8)["choices"][0]["text"] for p in ps]
+        assert got == expected
+        delta = lambda: tuple(a - b for a, b in zip(counts(), before))
+        assert delta() == (2, 1, 1)  # 7 and 300 here, 1100 on the peer
+        # 1100 held by decode now (its pages went to decode's prefix cache): 2 more tokens are short
+        again = d.complete(ps[2][:1088] + [21, 22], max_tokens=4)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 1088
+        assert delta() == (3, 1, 1)
+        assert wait_for(d.baseline_ok)
+    finally:
+        d.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ptp,dtp", [(2, 1), (1, 2)])
 def test_tp_layouts_hand_off_correctly(tiny_qwen3, secret, ptp, dtp):

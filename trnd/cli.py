@@ -67,6 +67,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--no-share-cores", dest="share_cores", action="store_const", const=False,
                    help="local deployment: let the roles compute at once instead of taking turns on the cores "
                         "(engine/corelock.py)")
+    p.add_argument("--local-prefill-tokens", type=int, metavar="N",
+                   help="local deployment: the decode server prefills a prompt of at most N uncached tokens "
+                        "itself (0: every prompt to the prefill server; default: 1000 while the roles share the "
+                        "cores, else 0)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree: ranks (processes) sharding the model "
                                           "(default 1)")
     p.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
@@ -123,6 +127,9 @@ def _disagg_parsers(sub) -> None:
     _role_flags(d)
     d.add_argument("--port", type=int, help="OpenAI API port (default 8000)")
     d.add_argument("--prefill", action="append", metavar="HOST:PORT", help="a prefill server's control port")
+    d.add_argument("--local-prefill-tokens", type=int, metavar="N",
+                   help="prefill a prompt of at most N uncached tokens here instead of on a peer (0: none; "
+                        "default: 1000 with --core-lock, else 0)")
     d.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
     d.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
     d.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "none"],

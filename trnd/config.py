@@ -88,6 +88,12 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A file every role on this node's cores locks around each forward pass, so they take turns instead of
     # oversubscribing the cores (engine/corelock.py); `trnd serve` sets one for its roles. None: off.
     core_lock: str | None = None
+    # Decode role (conditional disaggregation, as Dynamo's max_local_prefill_length): a new prompt with at
+    # most this many tokens past this server's own prefix-cache hit is prefilled here, mixed into the decode
+    # steps, instead of handed to a prefill peer (roles/decode.py). 0: every prompt to a peer. None (auto):
+    # roles/decode.py's LOCAL_PREFILL_SHARED_CORES where the roles take turns on this node's cores (core_lock
+    # set), else 0.
+    local_prefill_tokens: Annotated[int, Meta(ge=0)] | None = None
 
     def __post_init__(self):
         _check_common(self)

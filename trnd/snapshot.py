@@ -226,6 +226,7 @@ class Transfers(_S):
     kv_pages_received: int | None = None
     kv_bytes_received: int | None = None  # decode: kv_pages_received x page_bytes
     aborted: int | None = None
+    local_prefills: int | None = None  # decode: prompts prefilled here (local_prefill_tokens), not handed off
     refused: int | None = None
     unauthenticated: int | None = None
 

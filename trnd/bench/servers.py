@@ -201,6 +201,8 @@ def make_server(key: str, ctx: Ctx, rnd: int = 1) -> Server:
             cmd.append("--aggregated")
         if key.endswith("-compiled"):
             cmd.append("--compile-decode")
+        if key.endswith("-remote"):
+            cmd += ["--local-prefill-tokens", "0"]
         return Server(key, cmd, env, port, ctx.out / f"{key}-r{rnd}.log", "/ready")
     env = environ_as_started()  # the peer runs as its operator would start it, without trnd's OpenMP default
     env.update(LD_PRELOAD=":".join(vllm_preload(ctx)), VLLM_CPU_OMP_THREADS_BIND=f"0-{ctx.threads - 1}",

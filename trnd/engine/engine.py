@@ -276,9 +276,9 @@ class Engine:
         trace.phase(req, f"queued: {req.num_prompt} prompt tokens, max_tokens={params.max_tokens}")
         return req
 
-    def take_prompt_kv_from(self, start: Callable[[Req], Parked]) -> None:
+    def take_prompt_kv_from(self, start: Callable[[Req], Parked | None]) -> None:
         """Disaggregated decode: a new request's prompt KV comes from `start(req)` (roles/decode.py: a
-        prefill peer), parked in the scheduler like a tier load (engine/parked.py)."""
+        prefill peer), parked in the scheduler like a tier load (engine/parked.py); None: computed here."""
         self.scheduler.peer = start
 
     def hold(self, pages: list[int]) -> None:

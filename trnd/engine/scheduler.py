@@ -53,9 +53,9 @@ class Scheduler:
         self.running: list[Req] = []
         self.tiers = None  # cache/tiers.py: lower tiers asked for the pages after a device hit
         # Disaggregated decode: where a new request's prompt KV comes from (roles/decode.py: a prefill
-        # peer writes it into the pages reserved here). Preempted requests (which already have output)
-        # are recomputed locally as usual.
-        self.peer: Callable[[Req], Parked] | None = None
+        # peer writes it into the pages reserved here; None: computed here after all, its prompt short
+        # enough). Preempted requests (which already have output) are recomputed locally as usual.
+        self.peer: Callable[[Req], Parked | None] | None = None
         self.parked: dict[str, Parked] = {}  # every request whose KV comes from elsewhere (engine/parked.py)
         self._probed: set[str] = set()  # asked L3 once already (a miss is not asked again)
         self._locks: dict[str, object] = {}  # rid -> radix node locked for its borrowed prefix
@@ -138,7 +138,14 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 req.status = Status.RUNNING
-                self.parked[req.rid] = self.peer(req)
+                job = self.peer(req)
+                if job is not None:
+                    self.parked[req.rid] = job
+                    continue
+                self.running.append(req)  # prefilled here, its pages already reserved
+                n = self._chunk(req, budget)
+                budget -= n
+                batch.prefill.append((req, n))
                 continue
             admitted = self._admit(req, budget)
             if admitted is None:  # parked on a lower tier

@@ -33,6 +33,12 @@ from trnd.transfer.handoff import Awaited
 
 log = logging.getLogger("trnd.decode")
 
+# `local_prefill_tokens` where the roles take turns on one node's cores (core_lock): there a prefill peer
+# adds no compute, and a prompt handed to it costs a forward pass of its own (the weights read again,
+# where here its chunk rides in a decode step), the KV write and two control hops. Dynamo's default for
+# its max_local_prefill_length; longer prompts still go to the peer.
+LOCAL_PREFILL_SHARED_CORES = 1000
+
 
 @dataclass
 class PrefillPeer:
@@ -50,6 +56,13 @@ class PrefillPeer:
 
     def __post_init__(self):
         self.failures = Failures(log, f"prefill {self.addr}")
+
+
+def local_prefill_tokens(cfg: DecodeConfig) -> int:
+    """The configured value, or auto: LOCAL_PREFILL_SHARED_CORES where the roles share the cores, else 0."""
+    if cfg.local_prefill_tokens is not None:
+        return cfg.local_prefill_tokens
+    return LOCAL_PREFILL_SHARED_CORES if cfg.core_lock else 0
 
 
 class Refusal(ConnectionError):
@@ -107,7 +120,12 @@ class DecodeServer:
         self.xfer_metrics = self.engine.xfer_metrics  # per prefill peer: op kv_receive (handoff sent -> KV landed)
         self.aio: asyncio.AbstractEventLoop | None = None
         self.stats = {"handoffs": 0, "retried": 0, "failed": 0, "fenced": 0, "timed_out": 0,
-                      "kv_pages_received": 0, "kv_bytes_received": 0}
+                      "kv_pages_received": 0, "kv_bytes_received": 0, "local_prefills": 0}
+        self.local_prefill_tokens = local_prefill_tokens(cfg)
+        if self.local_prefill_tokens:
+            log.info("prompts of at most %d uncached tokens are prefilled here, longer ones by a prefill peer "
+                     "(local_prefill_tokens%s)", self.local_prefill_tokens,
+                     "" if cfg.local_prefill_tokens is not None else ": auto, the roles share this node's cores")
 
     @property
     def ready(self) -> bool:
@@ -247,9 +265,16 @@ class DecodeServer:
     def _peer(self, addr: str) -> PrefillPeer | None:
         return next((p for p in self.peers if p.addr == addr), None)
 
-    def ask_peer(self, req: Req) -> FromPrefill:
+    def ask_peer(self, req: Req) -> FromPrefill | None:
         """Admitted with every prompt page reserved (after this server's own prefix match: those pages
-        are not sent): ask the least-loaded healthy peer for the rest."""
+        are not sent): ask the least-loaded healthy peer for the rest, or None: a prompt whose uncached
+        part is at most local_prefill_tokens is computed here (Dynamo's conditional disaggregation)."""
+        uncached = req.num_prompt - req.num_cached
+        if uncached <= self.local_prefill_tokens:
+            self.stats["local_prefills"] += 1
+            trace.phase(req, f"prefilled here: {uncached} uncached tokens, local_prefill_tokens "
+                             f"{self.local_prefill_tokens}")
+            return None
         peer = self._pick()
         if peer is None:
             reasons = "; ".join(f"{p.addr}: {p.refused or p.error or 'connecting'}" for p in self.peers)
@@ -375,7 +400,7 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
         app = build_app(server.loop, cfg, name, server.state_extra)
         st = app.state.trnd
         st.metrics.role_stats = lambda: {f"decode_{k}": server.stats[k] for k in
-                                         ("handoffs", "retried", "failed", "timed_out", "fenced")}
+                                         ("handoffs", "retried", "failed", "timed_out", "fenced", "local_prefills")}
         st.ready_fn = lambda: server.ready
         http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, cfg, sock=sock)
 
