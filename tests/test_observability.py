@@ -67,7 +67,8 @@ class Disagg:
         self.prefill = start(["prefill", *common, "--store", f"127.0.0.1:{scp}", "--control-port", str(cp),
                               "--admin-port", str(self.prefill_port)], self.logs["prefill"])
         self.decode = start(["decode", *common, "--prefill", f"127.0.0.1:{cp}", "--served-model-name", "m",
-                             "--port", str(self.port)], self.logs["decode"])
+                             "--port", str(self.port), "--local-prefill-tokens", "0"],  # every prompt crosses
+                            self.logs["decode"])
         try:
             for port, proc in ((self.store_port, self.store), (self.prefill_port, self.prefill), (self.port, self.decode)):
                 wait_ready(port, proc)
