@@ -20,8 +20,13 @@ constexpr int TILE_MAX_R = 6;
 // prefetcher alone left a one-row decode linear at ~13 GB/s; this distance lifted it to 17-19 GB/s (Intel
 // Sapphire Rapids, docs/RESULTS.md "Linears on AMX"). csrc/linear.cpp's AMX tile uses the same distance.
 constexpr int64_t PREFETCH_PAIRS = 16;
+// A weight streamed from DRAM (the linears) is also prefetched this far ahead into L2: L1's fill buffers bound
+// the lines one core has in flight, L2's queue holds more. 64 pairs = 16 KB ahead: a 12-layer pass of the `small`
+// linears 1.02-1.10x faster at 1, 4 and 16 rows on AMD Zen 4 (docs/RESULTS.md, "Linears: a second, far
+// prefetch into L2"). FAR = 0 (prefill attention: its operand is L2-resident, re-read per row tile): none.
+constexpr int64_t FAR_PREFETCH_PAIRS = 64;
 
-template <int R>
+template <int R, int64_t FAR = 0>
 __attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int64_t xs, int64_t K, const bf16* blk,
                                                               float* out) {
   constexpr int NV = TILE_COLS / 16;
@@ -34,8 +39,11 @@ __attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int
     const bf16* w = blk + kp * 2 * TILE_COLS;
     __m512bh wv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
+    for (int v = 0; v < NV; ++v) {
       _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_PAIRS * 2 * TILE_COLS + 32 * v), _MM_HINT_T0);
+      if constexpr (FAR > 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + FAR * 2 * TILE_COLS + 32 * v), _MM_HINT_T1);
+    }
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
 #pragma GCC unroll 8

@@ -62,7 +62,7 @@ void store_rows(const Job& j, int64_t b, int64_t m, int64_t R, const float* acc)
 
 template <int R>
 void run_tile(const Job& j, int64_t b, int64_t m, float* acc) {
-  dpbf16_tile<R>(j.x + m * j.xs, j.xs, j.K, j.packed + b * j.K * BLOCK, acc);
+  dpbf16_tile<R, FAR_PREFETCH_PAIRS>(j.x + m * j.xs, j.xs, j.K, j.packed + b * j.K * BLOCK, acc);
   store_rows(j, b, m, R, acc);
 }
 
