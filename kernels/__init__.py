@@ -22,6 +22,8 @@ class Ops:
     write_kv: Callable
     decode_attention: Callable
     prefill_attention: Callable
+    # A decode-only step's decoder layers in one call (kernels/cpu/csrc/decode_layers.cpp); None: the model loops
+    decode_layers: Callable | None = None
 
 
 TORCH_OPS = Ops(

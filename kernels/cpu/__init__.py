@@ -246,6 +246,14 @@ class CompiledOps:
         return self.lib.decode_attention(q, kv, layer, pages, ctx, scale, 0,
                                          self.dpbf16 and kv.dtype == torch.bfloat16)
 
+    def decode_layers(self, x, weights, widths, linear, cos, sin, kv, meta, num_heads, num_kv_heads, scale, eps):
+        """Every decoder layer of a decode-only step, the kernels above called from C++ in the model's order
+        (csrc/decode_layers.cpp); the caller (trnd/model/llama.py) has checked that each of them takes its
+        inputs. Returns (x, residual) after the last layer."""
+        return self.lib.decode_layers(x, weights, widths, linear, cos, sin, kv, meta.page_ids, meta.offsets,
+                                      meta.decode_pages, meta.decode_ctx, num_heads, num_kv_heads, scale, eps,
+                                      self.dpbf16 and kv.dtype == torch.bfloat16)
+
 
 def compiled(name: str, dpbf16: bool = False, amx: bool = False) -> Ops:
     """The Ops table with one build's kernels in (raises if it is not loadable): tests load each build.
@@ -262,8 +270,8 @@ def ops_table(c: CompiledOps) -> Ops:
     """The torch ops with every entry a build has swapped for its kernel (the rest stay torch's)."""
     return replace(TORCH_OPS, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, apply_rotary=c.apply_rotary,
                    silu_and_mul=c.silu_and_mul, qk_norm_rotary=c.qk_norm_rotary, write_kv=c.write_kv,
-                   decode_attention=c.decode_attention,
-                   prefill_attention=c.prefill_attention)
+                   decode_attention=c.decode_attention, prefill_attention=c.prefill_attention,
+                   decode_layers=c.decode_layers if hasattr(c.lib, "decode_layers") else None)
 
 
 def _turned_off() -> bool:

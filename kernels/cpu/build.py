@@ -32,8 +32,8 @@ VARIANTS = {
     "trnd_avx2": ["-mavx2", "-mfma", "-mf16c"],
     "trnd_avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
-SOURCES = ("attention.cpp", "elementwise.cpp", "linear.cpp", "linear_f32.cpp", "prefill_amx.cpp",
-           "prefill_dpbf16.cpp", "prefill_f32.cpp")
+SOURCES = ("attention.cpp", "decode_layers.cpp", "elementwise.cpp", "linear.cpp", "linear_f32.cpp",
+           "prefill_amx.cpp", "prefill_dpbf16.cpp", "prefill_f32.cpp")
 # name -> the kernels/cpuinfo.py level a CPU needs to run it
 REQUIRES = {"trnd_avx2": "avx2", "trnd_avx512": "avx512"}
 COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # no FMA not written as one

@@ -10,11 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import os
+
 from kernels import Ops, fp8
 from kernels.attention import AttnMeta, chunk_attention
+from kernels.cpu import LINEAR_AMX_MIN_ROWS, MAX_HEAD_DIM, MAX_PAGE, MAX_ROW
 from kernels.rotary import cos_sin, inv_freq
 from trnd.model.config import ModelConfig
-from trnd.model.layers import LMHead, Linear, RMSNorm, Source, VocabEmbedding
+from trnd.model.layers import LMHead, Linear, PackedLinear, RMSNorm, Source, VocabEmbedding
 from trnd.parallel import TPGroup
 
 
@@ -118,6 +121,9 @@ class CausalLM(nn.Module):
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, head_name, cfg.dtype, tp)
         self.register_buffer("inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        # decode-only steps through ops.decode_layers where it takes this model (TRND_DECODE_LAYERS=0: never)
+        self.fuse_decode = os.environ.get("TRND_DECODE_LAYERS", "1").strip() != "0"
+        self._fused: tuple | None = None  # decode_layers' weights, widths and linear ops, once the model is packed
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttnMeta,
@@ -125,8 +131,62 @@ class CausalLM(nn.Module):
         """ids, positions [T]; sample_rows [B] rows of the batch to compute logits for -> [B, vocab] fp32."""
         cos, sin = cos_sin(positions, self.inv_freq, self.cfg.dtype)
         x, residual = self.embed(ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, kv, meta)
+        if (args := self._decode_layers_args(kv, meta, ids.shape[0])) is not None:
+            cfg, attn = self.cfg, self.layers[0].attn
+            x, residual = self.ops.decode_layers(x, *args, cos, sin, kv, meta, attn.nq, attn.nk, attn.scale,
+                                                 cfg.rms_norm_eps)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos, sin, kv, meta)
         x, residual = x[sample_rows], residual[sample_rows]
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return self.lm_head(x).float()
+
+    def _decode_layers_args(self, kv: torch.Tensor, meta: AttnMeta, t: int) -> tuple | None:
+        """(weights, widths, linear op) for ops.decode_layers, or None where the eager loop runs this step: not
+        decode-only, traced (engine/compiled.py, engine/static.py), or a model or pool some kernel in the chain
+        does not take (the eager loop then falls back per op, as it decides for each)."""
+        if (torch.compiler.is_compiling() or not self.fuse_decode or self.ops.decode_layers is None
+                or meta.chunk_pages is not None or meta.prefill or meta.num_decode != t):
+            return None
+        if self._fused is None:
+            self._fused = self._fusable() or ()
+        if not self._fused or kv.dtype != self.cfg.dtype or kv.shape[4] > MAX_PAGE or kv.shape[5] != self.cfg.head_dim:
+            return None
+        weights, widths, linear, amx = self._fused
+        return weights, widths, amx if amx is not None and t >= LINEAR_AMX_MIN_ROWS else linear
+
+    def _fusable(self) -> tuple | None:
+        """What decode_layers needs, if every layer is what it runs: one rank, linears packed for this build's
+        kernels with no bias, widths the elementwise kernels take (kernels/cpu CompiledOps' own conditions)."""
+        cfg, lib = self.cfg, getattr(self.ops.decode_layers, "__self__", None)
+        ns = getattr(getattr(lib, "lib", None), "__name__", "").removeprefix("torch.ops.")
+        hd = cfg.head_dim
+        if (self.tp.size != 1 or cfg.dtype not in (torch.bfloat16, torch.float32) or hd % 32 or hd > MAX_HEAD_DIM
+                or cfg.hidden_size % 16 or cfg.hidden_size > MAX_ROW or not ns):
+            return None
+        weights, ops = [], set()
+        for layer in self.layers:
+            a, m = layer.attn, layer.mlp
+            linears = (a.qkv, a.o, m.gate_up, m.down)
+            if not all(isinstance(x.packed, PackedLinear) and x.bias is None for x in linears):
+                return None
+            ops |= {(x.packed.linear, x.packed.amx) for x in linears}
+            none = a.qkv.packed.data.new_empty(0)
+            qn = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (none, none)
+            norms = (layer.input_norm, layer.post_norm) + ((a.q_norm, a.k_norm) if a.q_norm is not None else ())
+            if any(n.eps != cfg.rms_norm_eps or n.weight.dtype != cfg.dtype for n in norms):
+                return None
+            if m.gate_up.packed.n % 32 or m.gate_up.packed.n // 2 > MAX_ROW:
+                return None
+            weights += [layer.input_norm.weight, a.qkv.packed.data, *qn, a.o.packed.data, layer.post_norm.weight,
+                        m.gate_up.packed.data, m.down.packed.data]
+        if len(ops) != 1:  # one linear op (and one AMX op, or none) throughout
+            return None
+        names = [None if op is None else op._qualified_op_name.partition("::") for op in next(iter(ops))]
+        if any(n is not None and n[0] != ns for n in names):
+            return None
+        lin, amx = names[0][2], None if names[1] is None else names[1][2]
+        l0 = self.layers[0]
+        widths = [l0.attn.qkv.packed.n, l0.attn.o.packed.n, l0.mlp.gate_up.packed.n, l0.mlp.down.packed.n]
+        return weights, widths, lin, amx
