@@ -130,3 +130,14 @@ def test_the_avx2_build_fuses_too(models):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                        cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_the_engine_bench_compares_the_two_ways(models):
+    """`trnd bench engine --compare-decode-layers`: both sides run and are printed side by side."""
+    r = subprocess.run([sys.executable, "-m", "trnd", "bench", "engine", "--model", str(models["qwen3", "float32"]),
+                        "--dtype", "float32", "--skip-hf", "--compare-decode-layers", "--batches", "1,2",
+                        "--prompt-len", "16", "--new-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "comparing decode_layers (first column) with the eager loop" in r.stdout
+    rows = {ln.split()[2]: ln.split() for ln in r.stdout.splitlines() if ln.startswith("decode tok/s")}
+    assert set(rows) == {"b=1", "b=2"} and all(float(v[3]) > 0 and float(v[4]) > 0 for v in rows.values())

@@ -179,7 +179,11 @@ def _bench_parser(sub) -> None:
     e.add_argument("--tp", type=int, default=1, help="N > 1: trnd at TP=N against trnd at TP=1 (no transformers)")
     e.add_argument("--compare-dtype", choices=["bfloat16", "float32"],
                    help="trnd at --dtype against trnd at this dtype (no transformers), alternated --rounds times")
-    e.add_argument("--rounds", type=int, default=1, help="with --compare-dtype: alternated rounds, best of each")
+    e.add_argument("--compare-decode-layers", action="store_true",
+                   help="trnd's decode steps in one call (ops.decode_layers) against its Python loop over the layers "
+                        "(TRND_DECODE_LAYERS=0), alternated --rounds times (no transformers)")
+    e.add_argument("--rounds", type=int, default=1,
+                   help="with --compare-dtype or --compare-decode-layers: alternated rounds, best of each")
     e.add_argument("--floor-rounds", type=int, default=0, metavar="N",
                    help="then N rounds of (read bandwidth, batch-1 decode step) back to back in one process: the "
                         "step against the bandwidth floor per round, and the median ratio")

@@ -112,6 +112,9 @@ def _floor_side(model: str, dtype: str, new: int, rounds: int) -> dict:
 
 
 def _child(side: str, args: tuple, conn) -> None:
+    if side == "trnd-eager-layers":  # decode steps through the model's Python loop, not ops.decode_layers
+        os.environ["TRND_DECODE_LAYERS"] = "0"
+        side = "trnd"
     if side.startswith("trnd-tp"):
         fn, args = _trnd_side, (*args, int(side.removeprefix("trnd-tp")))
     elif side == "floor":
@@ -139,17 +142,24 @@ def run_side(side: str, args: tuple) -> dict:
 
 
 def read_bandwidth_gbs() -> float:
-    """Measured memory read bandwidth: sum over a buffer much larger than the caches."""
+    """Measured memory read bandwidth: the faster of two readers (a sum over 256 MiB of fp32 and one over 256 MiB
+    of bf16), each its best of five. One reader alone can be bound by its own arithmetic rather than the memory
+    (on AMD Zen 4 the fp32 sum once read 27 GB/s while the bf16 one read 43.5), which would make the floor too
+    low a bar; the faster one is the closer to what the cores can stream."""
     import torch
 
-    x = torch.ones(256 * 2**20 // 4, dtype=torch.float32)  # 256 MiB
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
+    best_gbs = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.ones(256 * 2**20 // torch.finfo(dtype).bits * 8, dtype=dtype)  # 256 MiB
         x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+        best_gbs = max(best_gbs, x.numel() * x.element_size() / best / 1e9)
+        del x
+    return best_gbs
 
 
 def _best(runs: list[dict]) -> dict:
@@ -194,6 +204,11 @@ def main(args) -> int:
         ours, theirs = (_best([r[i] for r in runs]) for i in (0, 1))
         print(f"comparing dtype {args.dtype} (first column) with {args.compare_dtype} (second column), best of "
               f"{args.rounds} alternated round(s)")
+    elif args.compare_decode_layers:  # decode steps in one call vs the Python loop over layers, alternated
+        runs = [(run_side("trnd", a), run_side("trnd-eager-layers", a)) for _ in range(args.rounds)]
+        ours, theirs = (_best([r[i] for r in runs]) for i in (0, 1))
+        print(f"comparing decode_layers (first column) with the eager loop over layers (second column, "
+              f"TRND_DECODE_LAYERS=0), best of {args.rounds} alternated round(s)")
     else:
         ours = run_side("trnd", a)
         theirs = None if args.skip_hf else run_side("hf", a)
@@ -207,7 +222,8 @@ def main(args) -> int:
                      theirs and b * args.new_tokens / theirs[k]))
     rows.append(("peak RSS MB", ours["peak_rss_mb"], theirs and theirs["peak_rss_mb"]))
     names = ((f"trnd TP={args.tp}", "trnd TP=1") if args.tp > 1 else
-             (args.dtype, args.compare_dtype) if args.compare_dtype else ("trnd", "transformers"))
+             (args.dtype, args.compare_dtype) if args.compare_dtype else
+             ("one call", "Python loop") if args.compare_decode_layers else ("trnd", "transformers"))
     print(f"{'metric':<20}{names[0]:>12}{names[1]:>14}{'ratio':>8}")
     for name, o, t in rows:
         ratio = f"{o / t:.2f}x" if t else "-"
