@@ -85,12 +85,26 @@ def test_fused_decode_in_fp32_is_token_identical_to_transformers(models, arch):
     assert [c.token_ids for c in got] == hf_greedy(path, prompts, 12)
 
 
-def test_models_it_does_not_take_run_the_eager_loop(tmp_path):
-    """head_dim 16 (the tiny preset): the rotary kernel does not take it; the step runs the eager loop."""
+def test_models_it_does_not_take_run_the_eager_loop(tmp_path, caplog):
+    """head_dim 16 (the tiny preset): the rotary kernel does not take it; the step runs the eager loop, and the
+    log says so once, with why."""
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3", seed=0, dtype="float32")
     llm = LLM(str(path), dtype="float32", max_batch=4, num_pages=64)
-    _, n = calls_of(lambda: llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True)))
+    with caplog.at_level("INFO", logger="trnd.model"):
+        _, n = calls_of(lambda: llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True)))
     assert n == 0 and llm.engine.runner.model._fused == ()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode steps:")]
+    assert said == ["decode steps: the Python loop over the layers (head_dim 16, hidden 64: not what the kernels "
+                    "take)"]
+
+
+def test_the_log_names_the_one_call_path(models, caplog):
+    llm = LLM(str(models["qwen3", "bfloat16"]), dtype="bfloat16", max_batch=4, num_pages=64)
+    with caplog.at_level("INFO", logger="trnd.model"):
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode steps:")]
+    assert len(said) == 1 and said[0].startswith("decode steps: the 2 layers in one call (trnd_"), said
+    assert "::decode_layers, linears: linear" in said[0], said
 
 
 def test_bad_weights_are_refused_by_the_op():
