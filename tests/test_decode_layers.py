@@ -154,4 +154,7 @@ def test_the_engine_bench_compares_the_two_ways(models):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "comparing decode_layers (first column) with the eager loop" in r.stdout
     rows = {ln.split()[2]: ln.split() for ln in r.stdout.splitlines() if ln.startswith("decode tok/s")}
-    assert set(rows) == {"b=1", "b=2"} and all(float(v[3]) > 0 and float(v[4]) > 0 for v in rows.values())
+    assert set(rows) == {"b=1", "b=2"}
+    # both columns filled (the figures themselves are noise at 4 tokens of a tiny model: not asserted)
+    assert all(len(v) == 6 and v[5].endswith("x") for v in rows.values()), rows
+    float(rows["b=1"][3]), float(rows["b=1"][4])
