@@ -143,7 +143,12 @@ class CompiledOps:
         self.lib, self.dpbf16, self.amx = lib, dpbf16, amx
         # known once, not asked per chunk: a build without the fp32 tiles, and the AVX2 build's prefix rule
         self.f32_tiles = hasattr(lib, "prefill_attention_f32")
-        self.avx2 = lib.__name__.endswith("trnd_avx2")
+        self.name = lib.__name__.removeprefix("torch.ops.")  # trnd_avx2 | trnd_avx512
+        self.avx2 = self.name == "trnd_avx2"
+
+    def _dpbf16(self, kv: torch.Tensor) -> bool:
+        """The attention kernels dot bf16 pages with dpbf16 (where the CPU has it)."""
+        return self.dpbf16 and kv.dtype == torch.bfloat16
 
     @staticmethod
     def takes(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -200,7 +205,7 @@ class CompiledOps:
         if not self.takes(q, kv):
             return attention.decode_attention(q, kv, layer, meta, scale)
         return self.lib.decode_attention(q, kv, layer, meta.decode_pages, meta.decode_ctx, scale, 0,
-                                         self.dpbf16 and kv.dtype == torch.bfloat16)
+                                         self._dpbf16(kv))
 
     def takes_tiles(self, q: torch.Tensor, kv: torch.Tensor, seq) -> bool:
         """The dpbf16 tiles prefill kernel takes it: avx512_bf16 without AMX, a bf16 pool, head_dim a multiple
@@ -224,8 +229,7 @@ class CompiledOps:
     def takes_rows(self, kv: torch.Tensor, seq) -> bool:
         """A chunk the decode kernel runs fastest as one row per query: a short one, or (dpbf16, bf16 pool)
         one of a short context."""
-        return seq.q_len <= PREFILL_MAX_Q or (self.dpbf16 and kv.dtype == torch.bfloat16 and
-                                              seq.ctx_len <= ROWS_MAX_CTX)
+        return seq.q_len <= PREFILL_MAX_Q or (self._dpbf16(kv) and seq.ctx_len <= ROWS_MAX_CTX)
 
     def prefill_attention(self, q, k_new, v_new, kv, layer, seq, page_size, scale):
         """A chunk after its K/V are in the pages (the model writes before it attends): a longer one on AMX
@@ -243,8 +247,23 @@ class CompiledOps:
         prior = seq.ctx_len - seq.q_len
         ctx = torch.arange(prior + 1, seq.ctx_len + 1, dtype=torch.long)
         pages = seq.pages[None].expand(seq.q_len, -1)
-        return self.lib.decode_attention(q, kv, layer, pages, ctx, scale, 0,
-                                         self.dpbf16 and kv.dtype == torch.bfloat16)
+        return self.lib.decode_attention(q, kv, layer, pages, ctx, scale, 0, self._dpbf16(kv))
+
+    def decode_layers_refuses(self, dtype: torch.dtype, hidden: int, head_dim: int, intermediate: int) -> str:
+        """Why decode_layers' chain of kernels does not take a model of these widths ("" if it does): the same
+        conditions the entries above check per call (rows, takes), decided once for the model."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"no compiled kernels for {dtype}"
+        if head_dim % 32 or head_dim > min(MAX_HEAD_DIM, MAX_HEAD) or hidden % 16 or hidden > MAX_ROW:
+            return f"head_dim {head_dim}, hidden {hidden}: not what the kernels take"
+        if intermediate % 16 or intermediate > MAX_ROW:
+            return f"intermediate size {intermediate}: not what the kernels take"
+        return ""
+
+    def linear_name(self, op) -> str | None:
+        """The name of a packed linear's op (trnd/model/layers.py PackedLinear) if it is this build's, else None."""
+        ns, _, name = getattr(op, "_qualified_op_name", "").partition("::")
+        return name if ns == self.name and name in ("linear", "linear_amx", "linear_f32") else None
 
     def decode_layers(self, x, weights, widths, linear, cos, sin, kv, meta, num_heads, num_kv_heads, scale, eps):
         """Every decoder layer of a decode-only step, the kernels above called from C++ in the model's order
@@ -252,7 +271,7 @@ class CompiledOps:
         inputs. Returns (x, residual) after the last layer."""
         return self.lib.decode_layers(x, weights, widths, linear, cos, sin, kv, meta.page_ids, meta.offsets,
                                       meta.decode_pages, meta.decode_ctx, num_heads, num_kv_heads, scale, eps,
-                                      self.dpbf16 and kv.dtype == torch.bfloat16)
+                                      self._dpbf16(kv))
 
 
 def compiled(name: str, dpbf16: bool = False, amx: bool = False) -> Ops:

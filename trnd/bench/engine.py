@@ -150,7 +150,7 @@ def read_bandwidth_gbs() -> float:
 
     best_gbs = 0.0
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.ones(256 * 2**20 // torch.finfo(dtype).bits * 8, dtype=dtype)  # 256 MiB
+        x = torch.ones(256 * 2**20 // dtype.itemsize, dtype=dtype)  # 256 MiB
         x.sum()
         best = float("inf")
         for _ in range(5):

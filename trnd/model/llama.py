@@ -7,15 +7,15 @@ chunks) and a paged KV pool; it returns logits only for the rows the caller will
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 import logging
 import os
 
+import torch
+from torch import nn
+
 from kernels import Ops, fp8
 from kernels.attention import AttnMeta, chunk_attention
-from kernels.cpu import LINEAR_AMX_MIN_ROWS, MAX_HEAD_DIM, MAX_PAGE, MAX_ROW
+from kernels.cpu import LINEAR_AMX_MIN_ROWS, MAX_PAGE
 from kernels.rotary import cos_sin, inv_freq
 from trnd.model.config import ModelConfig
 from trnd.model.layers import LMHead, Linear, PackedLinear, RMSNorm, Source, VocabEmbedding
@@ -153,33 +153,29 @@ class CausalLM(nn.Module):
                 or meta.chunk_pages is not None or meta.prefill or meta.num_decode != t):
             return None
         if self._fused is None:  # decided once, at the first decode-only step, and said in one line
-            got = self._fusable()
+            got = self._fusable(self.ops.decode_layers.__self__)
             self._fused = got if isinstance(got, tuple) else ()
             if self._fused:
-                ns = self.ops.decode_layers.__self__.lib.__name__.removeprefix("torch.ops.")
+                _, _, lin, amx = self._fused
                 log.info("decode steps: the %d layers in one call (%s::decode_layers, linears: %s)", len(self.layers),
-                         ns, self._fused[2] + (f", {self._fused[3]} from {LINEAR_AMX_MIN_ROWS} rows"
-                                               if self._fused[3] else ""))
+                         self.ops.decode_layers.__self__.name,
+                         lin + (f", {amx} from {LINEAR_AMX_MIN_ROWS} rows" if amx else ""))
             else:
                 log.info("decode steps: the Python loop over the layers (%s)", got)
-        if not self._fused or kv.dtype != self.cfg.dtype or kv.shape[4] > MAX_PAGE or kv.shape[5] != self.cfg.head_dim:
+        if not self._fused or kv.dtype != self.cfg.dtype or kv.shape[4] > MAX_PAGE:
             return None
         weights, widths, linear, amx = self._fused
         return weights, widths, amx if amx is not None and t >= LINEAR_AMX_MIN_ROWS else linear
 
-    def _fusable(self) -> tuple | str:
-        """What decode_layers needs, if every layer is what it runs: one rank, linears packed for this build's
-        kernels with no bias, widths the elementwise kernels take (kernels/cpu CompiledOps' own conditions);
-        else why not."""
-        cfg, lib = self.cfg, getattr(self.ops.decode_layers, "__self__", None)
-        ns = getattr(getattr(lib, "lib", None), "__name__", "").removeprefix("torch.ops.")
-        hd = cfg.head_dim
+    def _fusable(self, kernels) -> tuple | str:
+        """What decode_layers needs, if every layer is what it runs: one rank, widths the build's kernels take,
+        linears packed for that build with no bias, one linear op throughout; else why not."""
+        cfg = self.cfg
         if self.tp.size != 1:
             return f"tp = {self.tp.size}"
-        if cfg.dtype not in (torch.bfloat16, torch.float32) or not ns:
-            return f"no compiled kernels for {cfg.dtype}"
-        if hd % 32 or hd > MAX_HEAD_DIM or cfg.hidden_size % 16 or cfg.hidden_size > MAX_ROW:
-            return f"head_dim {hd}, hidden {cfg.hidden_size}: not what the kernels take"
+        if why := kernels.decode_layers_refuses(cfg.dtype, cfg.hidden_size, cfg.head_dim,
+                                                cfg.intermediate_size):
+            return why
         weights, ops = [], set()
         for layer in self.layers:
             a, m = layer.attn, layer.mlp
@@ -187,21 +183,19 @@ class CausalLM(nn.Module):
             if not all(isinstance(x.packed, PackedLinear) and x.bias is None for x in linears):
                 return "linears not packed for the compiled kernels, or with a bias"
             ops |= {(x.packed.linear, x.packed.amx) for x in linears}
-            none = a.qkv.packed.data.new_empty(0)
-            qn = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (none, none)
             norms = (layer.input_norm, layer.post_norm) + ((a.q_norm, a.k_norm) if a.q_norm is not None else ())
             if any(n.eps != cfg.rms_norm_eps or n.weight.dtype != cfg.dtype for n in norms):
                 return "norms of another eps or dtype"
-            if m.gate_up.packed.n % 32 or m.gate_up.packed.n // 2 > MAX_ROW:
-                return f"intermediate size {m.gate_up.packed.n // 2}: not what the kernels take"
-            weights += [layer.input_norm.weight, a.qkv.packed.data, *qn, a.o.packed.data, layer.post_norm.weight,
+            none = a.qkv.packed.data.new_empty(0)
+            qk = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (none, none)
+            weights += [layer.input_norm.weight, a.qkv.packed.data, *qk, a.o.packed.data, layer.post_norm.weight,
                         m.gate_up.packed.data, m.down.packed.data]
         if len(ops) != 1:  # one linear op (and one AMX op, or none) throughout
             return "linears on different kernels"
-        names = [None if op is None else op._qualified_op_name.partition("::") for op in next(iter(ops))]
-        if any(n is not None and n[0] != ns for n in names):
-            return f"linears from another build than {ns}"
-        lin, amx = names[0][2], None if names[1] is None else names[1][2]
+        (linear, amx), = ops
+        lin, amx_name = kernels.linear_name(linear), amx and kernels.linear_name(amx)
+        if lin is None or (amx is not None and amx_name is None):
+            return f"linears from another build than {kernels.name}"
         l0 = self.layers[0]
         widths = [l0.attn.qkv.packed.n, l0.attn.o.packed.n, l0.mlp.gate_up.packed.n, l0.mlp.down.packed.n]
-        return weights, widths, lin, amx
+        return weights, widths, lin, amx_name

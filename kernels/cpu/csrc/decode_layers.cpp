@@ -14,6 +14,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -26,39 +27,52 @@ namespace {
 using T = at::Tensor;
 using Pair = std::tuple<T, T>;
 
+std::string qualified(const char* name) { return std::string(TRND_STR(TRND_LIB)) + "::" + name; }
+
 template <typename Sig>
-c10::TypedOperatorHandle<Sig> find(const std::string& name) {
-  return c10::Dispatcher::singleton()
-      .findSchemaOrThrow((std::string(TRND_STR(TRND_LIB)) + "::" + name).c_str(), "")
-      .typed<Sig>();
+c10::TypedOperatorHandle<Sig> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(qualified(name).c_str(), "").typed<Sig>();
 }
 
+using NormSig = T(const T&, const T&, double);
+using AddNormSig = Pair(const T&, const T&, const T&, double);
+using QkNormRotarySig = Pair(const T&, const T&, const T&, const T&, double, const T&, const T&);
+using RotarySig = Pair(const T&, const T&, const T&, const T&);
+using WriteKvSig = void(T&, int64_t, const T&, const T&, const T&, const T&);
+using AttentionSig = T(const T&, const T&, int64_t, const T&, const T&, double, int64_t, bool);
+using SiluSig = T(const T&);
 using LinearSig = T(const T&, const T&, int64_t);
 
-struct Kernels {  // this build's ops, looked up once
-  c10::TypedOperatorHandle<T(const T&, const T&, double)> rms_norm = find<T(const T&, const T&, double)>("rms_norm");
-  c10::TypedOperatorHandle<Pair(const T&, const T&, const T&, double)> add_rms_norm =
-      find<Pair(const T&, const T&, const T&, double)>("add_rms_norm");
-  c10::TypedOperatorHandle<Pair(const T&, const T&, const T&, const T&, double, const T&, const T&)> qk_norm_rotary =
-      find<Pair(const T&, const T&, const T&, const T&, double, const T&, const T&)>("qk_norm_rotary");
-  c10::TypedOperatorHandle<Pair(const T&, const T&, const T&, const T&)> apply_rotary =
-      find<Pair(const T&, const T&, const T&, const T&)>("apply_rotary");
-  c10::TypedOperatorHandle<void(T&, int64_t, const T&, const T&, const T&, const T&)> write_kv =
-      find<void(T&, int64_t, const T&, const T&, const T&, const T&)>("write_kv");
-  c10::TypedOperatorHandle<T(const T&, const T&, int64_t, const T&, const T&, double, int64_t, bool)> attention =
-      find<T(const T&, const T&, int64_t, const T&, const T&, double, int64_t, bool)>("decode_attention");
-  c10::TypedOperatorHandle<T(const T&)> silu_and_mul = find<T(const T&)>("silu_and_mul");
+struct Kernels {  // this build's ops, looked up once (at the first call: every op registers when the library loads)
+  c10::TypedOperatorHandle<NormSig> rms_norm = find<NormSig>("rms_norm");
+  c10::TypedOperatorHandle<AddNormSig> add_rms_norm = find<AddNormSig>("add_rms_norm");
+  c10::TypedOperatorHandle<QkNormRotarySig> qk_norm_rotary = find<QkNormRotarySig>("qk_norm_rotary");
+  c10::TypedOperatorHandle<RotarySig> apply_rotary = find<RotarySig>("apply_rotary");
+  c10::TypedOperatorHandle<WriteKvSig> write_kv = find<WriteKvSig>("write_kv");
+  c10::TypedOperatorHandle<AttentionSig> attention = find<AttentionSig>("decode_attention");
+  c10::TypedOperatorHandle<SiluSig> silu_and_mul = find<SiluSig>("silu_and_mul");
+  // the packed linears; the AVX2 build has no `linear` nor `linear_amx`
+  std::optional<c10::TypedOperatorHandle<LinearSig>> linear = maybe("linear"), linear_amx = maybe("linear_amx"),
+                                                      linear_f32 = maybe("linear_f32");
+
+  static std::optional<c10::TypedOperatorHandle<LinearSig>> maybe(const char* name) {
+    auto op = c10::Dispatcher::singleton().findSchema({qualified(name), ""});
+    if (!op) return std::nullopt;
+    return op->typed<LinearSig>();
+  }
+
+  c10::TypedOperatorHandle<LinearSig> linear_op(c10::string_view name) const {
+    const auto& op = name == "linear" ? linear : name == "linear_amx" ? linear_amx : linear_f32;
+    TORCH_CHECK(name == "linear" || name == "linear_amx" || name == "linear_f32",
+                "decode_layers: linear = '", name, "': want linear, linear_amx or linear_f32");
+    TORCH_CHECK(op.has_value(), "decode_layers: this build (", TRND_STR(TRND_LIB), ") has no ", name);
+    return *op;
+  }
 };
 
 const Kernels& kernels() {
   static const Kernels k;
   return k;
-}
-
-c10::TypedOperatorHandle<LinearSig> linear_op(c10::string_view name) {  // found per call: the AVX2 build has no
-  TORCH_CHECK(name == "linear" || name == "linear_amx" || name == "linear_f32",  // `linear` to find at load
-              "decode_layers: linear = '", name, "': want linear, linear_amx or linear_f32");
-  return find<LinearSig>(std::string(name));
 }
 
 Pair decode_layers(const T& x0, at::TensorList w, c10::IntArrayRef widths, c10::string_view linear, const T& cos,
@@ -69,7 +83,7 @@ Pair decode_layers(const T& x0, at::TensorList w, c10::IntArrayRef widths, c10::
   TORCH_CHECK(x0.dim() == 2 && kv.dim() == 6, "decode_layers: x [B, hidden], kv [pages, layers, 2, kv_heads, page, "
               "head_dim]");
   const Kernels& k = kernels();
-  const auto lin = linear_op(linear);
+  const auto lin = k.linear_op(linear);
   const int64_t layers = static_cast<int64_t>(w.size()) / 8, B = x0.size(0), hd = kv.size(5);
   const int64_t nq = num_heads * hd, nk = num_kv_heads * hd;
   T x = x0, res;
