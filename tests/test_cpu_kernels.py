@@ -117,6 +117,24 @@ def test_split_kv_merges_to_the_same_result(build, split_pages, dtype):
     torch.testing.assert_close(split.float(), want, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_heads_by_sequence_or_by_item_give_the_same_bits(build, dtype):
+    """With enough sequences for the threads, one thread runs all KV heads of a sequence; with few, each
+    (sequence, KV head) is its own item. Only the order of the work differs: the output is bit-identical."""
+    name, lib, dpbf16 = build
+    q, kv, pages, ctx = ragged_case([7, 40, 100, 250, 33], 3, 16, 64, dtype, kv_heads=4, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # 5 sequences >= 2 x 1 thread: heads grouped by sequence
+        grouped = lib.decode_attention(q, kv, 1, pages, ctx, 0.125, 1000, dpbf16)
+        torch.set_num_threads(8)  # 5 < 2 x 8: one item per (sequence, KV head)
+        single = lib.decode_attention(q, kv, 1, pages, ctx, 0.125, 1000, dpbf16)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(grouped, single)
+    torch.testing.assert_close(grouped.float(), reference_decode(q, kv, 1, pages, ctx, 0.125), **tol(dtype))
+
+
 def test_long_context_splits_by_default(build):
     """One sequence, one KV head, 4096 tokens: the default split spreads it over the threads; same result."""
     name, lib, dpbf16 = build

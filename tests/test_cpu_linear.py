@@ -40,7 +40,7 @@ def assert_rounded_once(y: torch.Tensor, want: torch.Tensor, k: int) -> None:
 
 
 @needs_dpbf16
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 16, 64])
 @pytest.mark.parametrize("n,k", [(1, 2), (63, 64), (64, 66), (65, 768), (200, 130), (1280, 768)])
 def test_linear_matches_the_exact_product(lib, m, n, k):
     assert_product(lib, lib.linear, m, n, k)

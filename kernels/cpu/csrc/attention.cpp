@@ -9,8 +9,9 @@
 // (BLOCK tokens), not per page; with dpbf16, P V runs on it too (the probabilities rounded to bf16, two
 // tokens per instruction). The next K/V blocks are prefetched into L2 as the current one computes. Long
 // contexts are split into several items when there are fewer items than threads can balance; their
-// partial (unnormalized output, max, sum) are merged by log-sum-exp afterwards. No page is copied and
-// no mask is built: each item reads only the slots below its sequence's context length.
+// partial (unnormalized output, max, sum) are merged by log-sum-exp afterwards. With enough sequences, one
+// thread runs all the KV heads of a sequence back to back (their rows share each page's lines). No page is
+// copied and no mask is built: each item reads only the slots below its sequence's context length.
 //
 // write_kv: one pass copying each token's K and V rows into its (page, slot).
 //
@@ -433,15 +434,17 @@ void run_item_any(const Args& a, const Item& it, T* out, int64_t out_s0, float* 
 }
 
 template <typename T>
-void decode(const Args& a, const std::vector<Item>& items, const std::vector<int64_t>& first_part,
+void decode(const Args& a, const std::vector<Item>& items, int64_t group, const std::vector<int64_t>& first_part,
             const std::vector<int64_t>& nsplit, int64_t B, at::Tensor& out, int64_t nparts) {
   const int64_t D = a.pool.D, hk = a.pool.hk, G = a.G;
   std::vector<float> part_o(nparts * G * D), part_ml(nparts * G * 2);
   T* o = out.data_ptr<T>();
   const int64_t out_s0 = out.stride(0);
-  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t n = static_cast<int64_t>(items.size()) / group;
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < n; ++i) run_item_any<T>(a, items[i], o, out_s0, part_o.data(), part_ml.data());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < group; ++h)
+      run_item_any<T>(a, items[i * group + h], o, out_s0, part_o.data(), part_ml.data());
   if (nparts == 0) return;
   // merge the splits of each (sequence, KV head) by log-sum-exp
 #pragma omp parallel for schedule(dynamic, 1)
@@ -515,23 +518,36 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, int64_t l
   }
   std::vector<Item> items;
   std::vector<int64_t> first_part(B * hk, -1), nsplit(B);
-  int64_t nparts = 0;
+  int64_t nparts = 0, ngroups = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t S = (c[b] + split_len - 1) / split_len;
-    nsplit[b] = S;
-    for (int64_t h = 0; h < hk; ++h) {
-      if (S > 1) first_part[b * hk + h] = nparts;
-      for (int64_t s = 0; s < S; ++s)
-        items.push_back({b, h, s * split_len, std::min(c[b], (s + 1) * split_len), S > 1 ? nparts++ : -1});
-    }
+    nsplit[b] = (c[b] + split_len - 1) / split_len;
+    ngroups += nsplit[b];
+    if (nsplit[b] > 1)
+      for (int64_t h = 0; h < hk; ++h) {
+        first_part[b * hk + h] = nparts;
+        nparts += nsplit[b];
+      }
+  }
+  // Items in the order (sequence, split, KV head). With enough (sequence, split) groups to keep every thread
+  // busy, one thread takes all the KV heads of a group one after the other: a page's K (and V) rows of all
+  // heads are adjacent, so the lines the hardware prefetcher brings in past one head's rows are the next head's,
+  // used by the same core from its L2 instead of fetched again by another. b=16 at ctx ~576 on AMD Zen 4, the
+  // 12 layers' calls: 1.01-1.18x (the more the DRAM is shared, the more), b=32 1.2-1.4x.
+  const int64_t group = ngroups >= 2 * std::max(1, omp_get_max_threads()) ? hk : 1;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t S = nsplit[b];
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < hk; ++h)
+        items.push_back({b, h, s * split_len, std::min(c[b], (s + 1) * split_len),
+                         S > 1 ? first_part[b * hk + h] + s : -1});
   }
   Args a{q.data_ptr(), q.stride(0), q.stride(1), kv.data_ptr(), Pool(kv), layer, tab, pages.stride(0),
          pages.stride(1), hq / hk, static_cast<float>(scale), dpbf16};
 #if !defined(__AVX512F__)
   TORCH_CHECK(!dpbf16, "dpbf16 needs the AVX-512 build");
 #endif
-  if (kv.scalar_type() == at::kFloat) decode<float>(a, items, first_part, nsplit, B, out, nparts);
-  else decode<bf16>(a, items, first_part, nsplit, B, out, nparts);
+  if (kv.scalar_type() == at::kFloat) decode<float>(a, items, group, first_part, nsplit, B, out, nparts);
+  else decode<bf16>(a, items, group, first_part, nsplit, B, out, nparts);
   return out;
 }
 

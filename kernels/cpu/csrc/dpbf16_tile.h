@@ -26,9 +26,23 @@ constexpr int64_t PREFETCH_PAIRS = 16;
 // prefetch into L2"). FAR = 0 (prefill attention: its operand is L2-resident, re-read per row tile): none.
 constexpr int64_t FAR_PREFETCH_PAIRS = 64;
 
+// Lines of another operand (the next block a thread multiplies) prefetched into L2 at an even rate over the
+// k-pairs of the tiles before it: `lines` spread over `steps` k-pair iterations.
+struct Spread {
+  const char* p = nullptr;
+  int64_t lines = 0, steps = 1, acc = 0, l = 0;
+  inline void step() {
+    acc += lines;
+    while (acc >= steps) {
+      _mm_prefetch(p + (l++) * 64, _MM_HINT_T1);
+      acc -= steps;
+    }
+  }
+};
+
 template <int R, int64_t FAR = 0>
 __attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int64_t xs, int64_t K, const bf16* blk,
-                                                              float* out) {
+                                                              float* out, Spread* nx = nullptr) {
   constexpr int NV = TILE_COLS / 16;
   __m512 acc[R][NV];
 #pragma GCC unroll 8
@@ -37,6 +51,7 @@ __attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const bf16* w = blk + kp * 2 * TILE_COLS;
+    if (nx != nullptr) nx->step();
     __m512bh wv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
