@@ -40,15 +40,17 @@ struct Spread {
   }
 };
 
-template <int R, int64_t FAR = 0>
+// ACC: the sums start from out (row stride os) and go back there, as P V adds into its output rows.
+template <int R, int64_t FAR = 0, bool ACC = false>
 __attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int64_t xs, int64_t K, const bf16* blk,
-                                                              float* out, Spread* nx = nullptr) {
+                                                              float* out, Spread* nx = nullptr,
+                                                              int64_t os = TILE_COLS) {
   constexpr int NV = TILE_COLS / 16;
   __m512 acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[r][v] = ACC ? _mm512_loadu_ps(out + r * os + v * 16) : _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const bf16* w = blk + kp * 2 * TILE_COLS;
     if (nx != nullptr) nx->step();
@@ -71,7 +73,7 @@ __attribute__((target("avx512bf16"))) inline void dpbf16_tile(const bf16* x, int
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * TILE_COLS + v * 16, acc[r][v]);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * os + v * 16, acc[r][v]);
 }
 
 }  // namespace trnd
