@@ -54,20 +54,6 @@ void lay_out_v(const bf16* kv, const int64_t* table, int64_t ts, int64_t page_st
   }
 }
 
-// 2^t on 16 lanes, enough for probabilities rounded to bf16 next (8-bit mantissa): 2^n 2^f, f in [-0.5, 0.5],
-// 2^f by a degree-4 polynomial (relative error < 5e-5); t = -inf (a masked key) gives NaN, which the caller
-// masks to 0, and a t far below -126 gives 0.
-__attribute__((target("avx512f"))) inline __m512 pow2_bf16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.6181291e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // tmm0 K (A), tmm1 Q^T (B), tmm2 / tmm3 S^T for keys 0-15 / 16-31; then, head_dim <= 64, tmm2 P^T (B), tmm3
 // V^T (A) and tmm4-7 O^T; else tmm4 V^T, tmm5 P^T, tmm6 one chunk of O^T (amx_tiles.h's configuration).
 #define TRND_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))

@@ -11,8 +11,8 @@
 // Flash-style: per (query head, block of 6 queries) the keys go 64 at a time up to the block's last query, with
 // an online softmax in fp32 (O, max and sum per row, O rescaled per key block), P V adding straight into O. The
 // G query heads of a KV head share its laid-out K and V (in cache). head_dim a multiple of 64. The softmax was a
-// quarter of the time: its exponentials are a short 2^x fit (P is rounded to bf16 anyway) and P is rounded by
-// the bf16 convert instruction; the diagonal block's P V stops at the last visible key. 1.11-1.16x over the
+// quarter of the time: its exponentials are vec.h's pow2_bf16 (P is rounded to bf16 anyway) and P is rounded
+// by the bf16 convert instruction; the diagonal block's P V stops at the last visible key. 1.11-1.14x over the
 // kernel before (docs/RESULTS.md, "Prefill attention: a shorter softmax").
 //
 // AVX-512 build only; used where kernels/cpuinfo.py found avx512_bf16 and no AMX (kernels/cpu/__init__.py).
@@ -64,19 +64,6 @@ void lay_out(const bf16* pool, const int64_t* table, int64_t ts, int64_t page_st
   }
 }
 
-// 2^t for the probabilities P V multiplies in bf16 (8 significant bits): a degree-4 fit of 2^f on [-0.5, 0.5]
-// (relative error < 3e-6, far below bf16's 2^-9) and scalef for 2^n, 7 vector ops where vexp takes ~18.
-inline vf exp2_for_bf16(vf t) {
-  t = vmax(t, vset(-126.0f));  // -inf (a masked key) would make f NaN; 2^-126 is zeroed by the caller's mask
-  const vf n = vround(t), f = vsub(t, n);
-  vf p = vset(0.009560510516166687f);
-  p = vfma(p, f, vset(0.05591703951358795f));
-  p = vfma(p, f, vset(0.24024981260299683f));
-  p = vfma(p, f, vset(0.6931219696998596f));
-  p = vfma(p, f, vset(0.9999991655349731f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // e rounded to bf16 (nearest even) into dst; returns the rounded values as fp32 (what the sum must add).
 __attribute__((target("avx512bf16"))) inline vf store_bf16(bf16* dst, vf e) {
   const __m256i b = (__m256i)_mm512_cvtneps_pbh(e);
@@ -104,12 +91,11 @@ void run_block(const Ctx& c, int64_t hq, int64_t t0) {
     for (int r = 0; r < R; ++r) {
       const int64_t limit = c.prior + t0 + r - b * KB;  // keys [0, limit] of this block are visible to row r
       float* sr = s + r * KB;
-      const bool whole = limit >= KB - 1;
       // the max of the raw scores (scale > 0): the masked keys of the diagonal block set to -inf in place
       vf mx = vset(NEG_INF);
       for (int64_t j = 0; j < KB; j += 16) {
         vf v = vload(sr + j);
-        if (!whole && j + 15 > limit) {
+        if (j + 15 > limit) {
           const int64_t n = limit < j ? 0 : std::min<int64_t>(16, limit - j + 1);
           const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
           v = _mm512_mask_blend_ps(keep, vset(NEG_INF), v);
@@ -123,8 +109,8 @@ void run_block(const Ctx& c, int64_t hq, int64_t t0) {
       vf sum = vzero();
       for (int64_t j = 0; j < KB; j += 16) {
         const vf v = vload(sr + j);
-        vf e = exp2_for_bf16(_mm512_fmsub_ps(v, scale2, mv));
-        if (!whole && j + 15 > limit) e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, vset(NEG_INF), _CMP_NEQ_OQ), e);
+        vf e = pow2_bf16(_mm512_fmsub_ps(v, scale2, mv));
+        if (j + 15 > limit) e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, vset(NEG_INF), _CMP_NEQ_OQ), e);
         sum = vadd(sum, store_bf16(p + r * KB + j, e));  // P as the PV product sees it: the sum matches it
       }
       l[r] = l[r] * alpha + vsum(sum);
