@@ -19,6 +19,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -30,6 +32,8 @@ namespace {
 
 // How far ahead (in k) the block's stream is prefetched: 4 KB on AVX2 (one 64-byte line per k), 8 KB on AVX-512.
 constexpr int64_t F32_PREFETCH_K = 64;
+// Row tiles from which the threads take blocks one at a time (see linear_f32).
+constexpr int64_t F32_DYNAMIC_TILES = 8;
 
 at::Tensor pack_linear_f32(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "weight: want a float32 [N, K], got ", w.scalar_type(),
@@ -60,14 +64,18 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t xs = x.stride(0);
+  // Prefill-sized calls (F32_DYNAMIC_TILES row tiles or more): the threads take blocks one at a time as they
+  // free up, so one preempted by other work on the cores does not hold the rest at the end; decode-sized: a
+  // contiguous range each (one chunk per thread), each block's successor prefetched under it.
+  const int64_t threads = std::max(1, omp_get_max_threads()), tiles = (M + F32_MAX_R - 1) / F32_MAX_R;
+  const int64_t chunk = tiles >= F32_DYNAMIC_TILES ? 1 : (nb + threads - 1) / threads;
 #pragma omp parallel if (M * N * K >= (1 << 18))
   {
     alignas(64) float acc[F32_MAX_R * F32_BLOCK];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t col = b * F32_BLOCK, n = std::min<int64_t>(F32_BLOCK, N - col);
       // rows in tiles of near-equal size (8 rows: 4 + 4, not 6 + 2: a short tile pays a whole weight load for few FMAs)
-      const int64_t tiles = (M + F32_MAX_R - 1) / F32_MAX_R;
       const float* blk = wp + b * K * F32_BLOCK;
       const float* next = b + 1 < nb ? blk + K * F32_BLOCK : nullptr;
       for (int64_t t = 0, m = 0; t < tiles; ++t) {
