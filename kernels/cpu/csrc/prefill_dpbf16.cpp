@@ -49,18 +49,35 @@ struct Ctx {  // one call's shared state
 };
 
 // K and V of KV head h, from its pages into the two operand layouts; the keys past L, up to the block's end,
-// are zero (the buffers are not initialized: everything else is written here).
+// are zero (the buffers are not initialized: everything else is written here). K goes a key at a time as
+// 32-bit (d, d + 1) pairs, each to its pair's row of the block; V a pair of keys at a time, the two rows
+// interleaved by one permute per 16 d (a key's row is contiguous in its page, and in the operand each d
+// holds the pair's two values side by side).
 void lay_out(const bf16* pool, const int64_t* table, int64_t ts, int64_t page_stride, int64_t layer_off, int64_t hk,
              int64_t P, int64_t h, int64_t L, int64_t Lp, int64_t D, bf16* kt, bf16* vp) {
-  const bf16 zero(0.0f);
-  for (int64_t j = 0; j < Lp; ++j) {
-    const bf16* k = j < L ? pool + table[(j / P) * ts] * page_stride + layer_off + (h * P + j % P) * D : nullptr;
-    const bf16* v = k ? k + hk * P * D : nullptr;
+  auto row = [&](int64_t j) -> const bf16* {  // key j's K row (its V row is hk * P * D further), or none past L
+    return j < L ? pool + table[(j / P) * ts] * page_stride + layer_off + (h * P + j % P) * D : nullptr;
+  };
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                      5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t j = 0; j < Lp; j += 2) {
+    const bf16* k0 = row(j);
+    const bf16* k1 = row(j + 1);
     const int64_t b = j / KB, c = j % KB;
-    bf16* kb = kt + b * KB * D;  // [D/2][64][2]
-    for (int64_t d = 0; d < D; ++d) kb[(d / 2) * 2 * KB + c * 2 + d % 2] = k ? k[d] : zero;
-    bf16* vb = vp + b * KB * D;  // [D/64][32][64][2]
-    for (int64_t d = 0; d < D; ++d) vb[(d / 64) * KB * 64 + (c / 2) * 128 + (d % 64) * 2 + c % 2] = v ? v[d] : zero;
+    uint32_t* kb = reinterpret_cast<uint32_t*>(kt + b * KB * D);  // [D/2][64] pairs of d
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t* kw = reinterpret_cast<const uint32_t*>(i ? k1 : k0);
+      for (int64_t pd = 0; pd < D / 2; ++pd) kb[pd * KB + c + i] = kw ? kw[pd] : 0u;
+    }
+    bf16* vb = vp + b * KB * D + (c / 2) * 128;  // [D/64][32][64][2]: this key pair's 64 d of each block of 64
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i v0 = k0 ? _mm512_loadu_si512(k0 + hk * P * D + d) : _mm512_setzero_si512();
+      const __m512i v1 = k1 ? _mm512_loadu_si512(k1 + hk * P * D + d) : _mm512_setzero_si512();
+      bf16* dst = vb + (d / 64) * KB * 64 + (d % 64) * 2;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(v0, lo, v1));
+      _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(v0, hi, v1));
+    }
   }
 }
 
