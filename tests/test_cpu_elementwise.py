@@ -111,6 +111,20 @@ def test_silu_and_mul(ops, rows, dtype):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_silu_table_is_the_vector_silu_rounded(ops):
+    """A bf16 gate's SiLU comes from a table built once (csrc/elementwise.cpp silu_table); an fp32 gate's from the
+    vector code that built it. So for every finite bf16 gate (up = 1) the bf16 result must be the fp32 result
+    rounded to bf16, bit for bit: a wrong index, shift or byte of the lookup breaks it."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    g = bits.view(torch.bfloat16)
+    g = g[torch.isfinite(g)]
+    g = g[: g.numel() // 256 * 256].view(-1, 256)
+    gate_up = torch.cat([g, torch.ones_like(g)], dim=1)
+    got = ops.silu_and_mul(gate_up)
+    want = ops.silu_and_mul(gate_up.float()).bfloat16()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_what_the_kernels_do_not_take_falls_back(ops):
     """Widths off the lanes, fp16, mixed dtypes: the torch reference's answer, not an error."""
     x, w = rnd(3, 24, dtype=torch.float32), rnd(24, dtype=torch.float32)

@@ -31,6 +31,7 @@
 #include <omp.h>
 
 #include "amx_tiles.h"
+#include "blocks.h"
 #include "dpbf16_tile.h"
 #include "vec.h"
 
@@ -41,8 +42,6 @@ constexpr int64_t BLOCK = TILE_COLS;  // output columns per block (dpbf16_tile.h
 constexpr int NV = BLOCK / 16;
 constexpr int MAX_R = TILE_MAX_R;
 constexpr int64_t MAX_K = 1 << 16;
-// Row tiles from which the threads take blocks one at a time as they free up instead of a fixed range each.
-constexpr int64_t DYNAMIC_TILES = 8;
 
 struct Job {
   const bf16* x;
@@ -130,39 +129,27 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   if (M == 0) return y;
   const Job j{reinterpret_cast<const bf16*>(x.data_ptr()), x.stride(0), K, N,
               reinterpret_cast<const bf16*>(packed.data_ptr()), reinterpret_cast<bf16*>(y.data_ptr())};
+  const int64_t tiles = (M + MAX_R - 1) / MAX_R, chunk = block_chunk(tiles, nb);  // csrc/blocks.h
 #pragma omp parallel if (M * N * K >= (1 << 18))
   {
     alignas(64) float acc[MAX_R * BLOCK];
-    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t tiles = (M + MAX_R - 1) / MAX_R;
-    auto run_block = [&](int64_t b, Spread* next) {  // the rows in near-equal tiles (16 rows: 6 + 5 + 5, not 6 + 6 + 4)
+#pragma omp for schedule(dynamic, chunk) nowait
+    for (int64_t b = 0; b < nb; ++b) {
+      // The rows in near-equal tiles (16 rows: 6 + 5 + 5, not 6 + 6 + 4). With more than one tile, the tiles after
+      // a block's first read it from L2 while DRAM would idle, so the next block of this thread's range is
+      // prefetched into L2 over all the block's tiles (Spread): its first tile need not wait on DRAM. At 8-16 rows
+      // (c=16's decode) the model's linears ran 1.09-1.24x faster (docs/RESULTS.md, "Linears: the next block into
+      // L2 under the current one's tiles").
+      Spread next;
+      if (tiles > 1 && b + 1 < nb && (b + 1) % chunk != 0) {
+        next.p = reinterpret_cast<const char*>(j.packed + (b + 1) * K * BLOCK);
+        next.lines = K * BLOCK * static_cast<int64_t>(sizeof(bf16)) / 64;
+        next.steps = tiles * (K / 2);
+      }
       for (int64_t t = 0, m = 0; t < tiles; ++t) {
         const int64_t R = M / tiles + (t < M % tiles);
-        with_rows<MAX_R>(R, [&](auto r) { run_tile<decltype(r)::value>(j, b, m, acc, next); });
+        with_rows<MAX_R>(R, [&](auto r) { run_tile<decltype(r)::value>(j, b, m, acc, next.p ? &next : nullptr); });
         m += R;
-      }
-    };
-    if (tiles >= DYNAMIC_TILES) {
-      // Prefill-sized: each block is long work from L2, so the threads take blocks one at a time as they free up
-      // and one preempted by other work on the cores (the HTTP server, a client) does not hold the rest at the
-      // end. A 512-token prefill 0.5-3.7 ms faster offline (of ~215).
-#pragma omp for schedule(dynamic, 1) nowait
-      for (int64_t b = 0; b < nb; ++b) run_block(b, nullptr);
-    } else {
-      // Decode-sized: each thread a contiguous range of blocks. With more than one tile, the tiles after a block's
-      // first read it from L2 while DRAM would idle, so the next block of the range is prefetched into L2 over all
-      // the block's tiles (Spread): its first tile need not wait on DRAM. At 8-16 rows (c=16's decode) the model's
-      // linears ran 1.09-1.24x faster (docs/RESULTS.md, "Linears: the next block into L2 under the current one's
-      // tiles").
-      const int64_t b0 = nb * me / threads, b1 = nb * (me + 1) / threads;
-      for (int64_t b = b0; b < b1; ++b) {
-        Spread next;
-        if (tiles > 1 && b + 1 < b1) {
-          next.p = reinterpret_cast<const char*>(j.packed + (b + 1) * K * BLOCK);
-          next.lines = K * BLOCK * static_cast<int64_t>(sizeof(bf16)) / 64;
-          next.steps = tiles * (K / 2);
-        }
-        run_block(b, next.p ? &next : nullptr);
       }
     }
   }

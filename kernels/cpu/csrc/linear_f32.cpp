@@ -19,11 +19,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cstdint>
 
+#include "blocks.h"
 #include "f32_tile.h"
 #include "vec.h"
 
@@ -32,8 +31,6 @@ namespace {
 
 // How far ahead (in k) the block's stream is prefetched: 4 KB on AVX2 (one 64-byte line per k), 8 KB on AVX-512.
 constexpr int64_t F32_PREFETCH_K = 64;
-// Row tiles from which the threads take blocks one at a time (see linear_f32).
-constexpr int64_t F32_DYNAMIC_TILES = 8;
 
 at::Tensor pack_linear_f32(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "weight: want a float32 [N, K], got ", w.scalar_type(),
@@ -64,15 +61,11 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  // Prefill-sized calls (F32_DYNAMIC_TILES row tiles or more): the threads take blocks one at a time as they
-  // free up, so one preempted by other work on the cores does not hold the rest at the end; decode-sized: a
-  // contiguous range each (one chunk per thread), each block's successor prefetched under it.
-  const int64_t threads = std::max(1, omp_get_max_threads()), tiles = (M + F32_MAX_R - 1) / F32_MAX_R;
-  const int64_t chunk = tiles >= F32_DYNAMIC_TILES ? 1 : (nb + threads - 1) / threads;
+  const int64_t tiles = (M + F32_MAX_R - 1) / F32_MAX_R, chunk = block_chunk(tiles, nb);  // csrc/blocks.h
 #pragma omp parallel if (M * N * K >= (1 << 18))
   {
     alignas(64) float acc[F32_MAX_R * F32_BLOCK];
-#pragma omp for schedule(dynamic, chunk)
+#pragma omp for schedule(dynamic, chunk) nowait
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t col = b * F32_BLOCK, n = std::min<int64_t>(F32_BLOCK, N - col);
       // rows in tiles of near-equal size (8 rows: 4 + 4, not 6 + 2: a short tile pays a whole weight load for few FMAs)
