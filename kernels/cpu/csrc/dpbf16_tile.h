@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "blocks.h"
 #include "vec.h"
 
 namespace trnd {
@@ -25,20 +26,6 @@ constexpr int64_t PREFETCH_PAIRS = 16;
 // linears 1.02-1.10x faster at 1, 4 and 16 rows on AMD Zen 4 (docs/RESULTS.md, "Linears: a second, far
 // prefetch into L2"). FAR = 0 (prefill attention: its operand is L2-resident, re-read per row tile): none.
 constexpr int64_t FAR_PREFETCH_PAIRS = 64;
-
-// Lines of another operand (the next block a thread multiplies) prefetched into L2 at an even rate over the
-// k-pairs of the tiles before it: `lines` spread over `steps` k-pair iterations.
-struct Spread {
-  const char* p = nullptr;
-  int64_t lines = 0, steps = 1, acc = 0, l = 0;
-  inline void step() {
-    acc += lines;
-    while (acc >= steps) {
-      _mm_prefetch(p + (l++) * 64, _MM_HINT_T1);
-      acc -= steps;
-    }
-  }
-};
 
 // ACC: the sums start from out (row stride os) and go back there, as P V adds into its output rows.
 template <int R, int64_t FAR = 0, bool ACC = false>

@@ -7,20 +7,21 @@
 
 #include <cstdint>
 
+#include "blocks.h"
 #include "vec.h"
 
 namespace trnd {
 
 constexpr int64_t F32_BLOCK = 2 * W;  // output columns per block
 constexpr int F32_MAX_R = 6;
-// pf: what to prefetch, one k-row of a block (64 bytes on AVX2, 128 on AVX-512) per k, or nothing (null). In the
-// linear (csrc/linear_f32.cpp) the first tile over a block streams it from DRAM and prefetches its own rows ahead;
-// the later tiles read it from L2 and, compute-bound there, prefetch the next block instead, so its DRAM stream runs
-// under their FMAs (at 16 rows, the batch of a c=16 decode step, the weight stream and the 2 cached passes no longer
-// take turns).
-template <int R>
+// pf: rows of the block itself to prefetch, one k-row (64 bytes on AVX2, 128 on AVX-512) per k, or nothing (null):
+// the linear's (csrc/linear_f32.cpp) first tile over a block streams it from DRAM, this far ahead. nx (where SPREAD):
+// the next block's lines, spread over the k steps of all the block's tiles (csrc/blocks.h), so the later tiles,
+// compute-bound on the block from L2, keep DRAM busy. A template flag, not a null check: at one row the loop is two
+// FMAs, and a branch per k cost a 12-layer pass ~7%.
+template <int R, bool SPREAD = false>
 inline void f32_tile(const float* x, int64_t xs, int64_t K, const float* blk, const float* pf, float* out,
-                     int64_t os = F32_BLOCK) {
+                     int64_t os = F32_BLOCK, Spread* nx = nullptr) {
   vf acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
@@ -31,6 +32,7 @@ inline void f32_tile(const float* x, int64_t xs, int64_t K, const float* blk, co
       if constexpr (F32_BLOCK * sizeof(float) > 64)
         _mm_prefetch(reinterpret_cast<const char*>(pf + k * F32_BLOCK) + 64, _MM_HINT_T1);
     }
+    if constexpr (SPREAD) nx->step();
     const vf w0 = vload(w), w1 = vload(w + W);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {

@@ -70,12 +70,25 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
       const int64_t col = b * F32_BLOCK, n = std::min<int64_t>(F32_BLOCK, N - col);
       // rows in tiles of near-equal size (8 rows: 4 + 4, not 6 + 2: a short tile pays a whole weight load for few FMAs)
       const float* blk = wp + b * K * F32_BLOCK;
-      const float* next = b + 1 < nb ? blk + K * F32_BLOCK : nullptr;
+      // With more than one tile, the next block of this thread's range goes into L2 over all of this block's tiles
+      // (Spread, as csrc/linear.cpp): the model's linears at 8-16 rows (c=16's decode) 1.03-1.32x faster than
+      // prefetching it all under the second tile (docs/RESULTS.md, "Issue 15 on 2026-12-06").
+      Spread next;
+      if (tiles > 1 && b + 1 < nb && (b + 1) % chunk != 0) {
+        next.p = reinterpret_cast<const char*>(blk + K * F32_BLOCK);
+        next.lines = K * F32_BLOCK * static_cast<int64_t>(sizeof(float)) / 64;
+        next.steps = tiles * K;
+      }
       for (int64_t t = 0, m = 0; t < tiles; ++t) {
         const int64_t R = M / tiles + (t < M % tiles);
-        // the first tile: this block, F32_PREFETCH_K rows ahead; the second: the next block, all of it
-        const float* pf = t == 0 ? blk + F32_PREFETCH_K * F32_BLOCK : t == 1 ? next : nullptr;
-        with_rows<F32_MAX_R>(R, [&](auto r) { f32_tile<decltype(r)::value>(xp + m * xs, xs, K, blk, pf, acc); });
+        // the first tile streams this block, F32_PREFETCH_K rows ahead
+        const float* pf = t == 0 ? blk + F32_PREFETCH_K * F32_BLOCK : nullptr;
+        with_rows<F32_MAX_R>(R, [&](auto r) {
+          if (next.p != nullptr)
+            f32_tile<decltype(r)::value, true>(xp + m * xs, xs, K, blk, pf, acc, F32_BLOCK, &next);
+          else
+            f32_tile<decltype(r)::value>(xp + m * xs, xs, K, blk, pf, acc);
+        });
         for (int64_t r = 0; r < R; ++r) {
           float* dst = yp + (m + r) * N + col;
           if (n == F32_BLOCK) {
