@@ -118,17 +118,19 @@ def test_split_kv_merges_to_the_same_result(build, split_pages, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_heads_by_sequence_or_by_item_give_the_same_bits(build, dtype):
-    """With enough sequences for the threads, one thread runs all KV heads of a sequence; with few, each
-    (sequence, KV head) is its own item. Only the order of the work differs: the output is bit-identical."""
+@pytest.mark.parametrize("group,split_pages", [(3, 1000), (3, 3), (12, 1000)])
+def test_heads_by_sequence_or_by_item_give_the_same_bits(build, dtype, group, split_pages):
+    """With enough sequences for the threads, one thread runs all KV heads of a sequence together, page by page;
+    with few, each (sequence, KV head) is its own item. Only the order of the work differs: the output is
+    bit-identical, split or not, and in passes of 8 query rows where a KV head has more (group 12)."""
     name, lib, dpbf16 = build
-    q, kv, pages, ctx = ragged_case([7, 40, 100, 250, 33], 3, 16, 64, dtype, kv_heads=4, seed=5)
+    q, kv, pages, ctx = ragged_case([7, 40, 100, 250, 33], group, 16, 64, dtype, kv_heads=4, seed=5)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # 5 sequences >= 2 x 1 thread: heads grouped by sequence
-        grouped = lib.decode_attention(q, kv, 1, pages, ctx, 0.125, 1000, dpbf16)
+        grouped = lib.decode_attention(q, kv, 1, pages, ctx, 0.125, split_pages, dpbf16)
         torch.set_num_threads(8)  # 5 < 2 x 8: one item per (sequence, KV head)
-        single = lib.decode_attention(q, kv, 1, pages, ctx, 0.125, 1000, dpbf16)
+        single = lib.decode_attention(q, kv, 1, pages, ctx, 0.125, split_pages, dpbf16)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(grouped, single)
