@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from kernels import activation, attention, norm, rotary
+from kernels import activation, attention, norm, rotary, sampling
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class Ops:
     prefill_attention: Callable
     # A decode-only step's decoder layers in one call (kernels/cpu/csrc/decode_layers.cpp); None: the model loops
     decode_layers: Callable | None = None
+    argmax: Callable = sampling.argmax  # greedy sampling's rows' argmax (engine/sampler.py)
 
 
 TORCH_OPS = Ops(

@@ -10,6 +10,11 @@ from __future__ import annotations
 import torch
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B] int64: each row's greedy token, the first index of its largest logit (a NaN counts as the largest)."""
+    return logits.argmax(dim=-1)
+
+
 def token_counts(ids: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[B, V] int32: how often each id occurs in each row's list. Ids outside [0, V) are dropped."""
     counts = torch.zeros(len(ids), vocab_size, dtype=torch.int32, device=device)

@@ -156,3 +156,45 @@ def test_bad_shapes_raise_and_name_the_argument(ops):
         q = rnd(2, 4, 64, dtype=torch.float32)
         lib.qk_norm_rotary(q, q, rnd(32, dtype=torch.float32), rnd(64, dtype=torch.float32), 1e-6,
                            rnd(2, 64, dtype=torch.float32), rnd(2, 64, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 7, 17, 64, 1000, 32000])
+def test_argmax_is_torchs_first_largest(ops, width, dtype):
+    """Greedy sampling's argmax against torch.argmax, index for index: widths below, between and past the vector
+    lanes; ties (bf16 logits tie often) go to the first; the largest in the tail lanes; the batch in one call."""
+    x = rnd(40, width, dtype=dtype, scale=4, seed=3)
+    x[1] = x[1].round()  # many ties, the max among them
+    x[2, -1] = 100.0  # the largest in the last lane (past the vector part where width % lanes != 0)
+    x[3] = 0.0  # all tied: index 0
+    x[4, width // 2:] = x[4].max()  # the max first appears mid-row and repeats to the end
+    assert ops.argmax is not TORCH_OPS.argmax
+    got = ops.argmax(x)
+    assert got.dtype == torch.int64 and got.shape == (40,)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(ops.argmax(x[5:9]), x[5:9].argmax(dim=-1))  # rows of a wider tensor, read in place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_nan_and_infinities_as_torch(ops, dtype):
+    """A NaN counts as the largest (torch gives the first NaN's index); infinities compare as numbers."""
+    inf, nan = float("inf"), float("nan")
+    x = rnd(8, 100, dtype=dtype, seed=4)
+    x[0, 50], x[0, 70] = nan, nan
+    x[1, 99] = nan
+    x[2, 30], x[2, 60] = inf, inf
+    x[3] = -inf
+    x[4, 10], x[4, 20] = -inf, nan
+    x[5, 0] = inf
+    x[6, 5], x[6, 90] = inf, nan
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_refuses_what_it_cannot_read(ops):
+    lib = ops.argmax.__self__.lib
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        lib.argmax_rows(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match=r"\[B, V\]"):
+        lib.argmax_rows(torch.zeros(2, 0))
+    x = torch.randn(5, 3)
+    assert torch.equal(ops.argmax(x.t()), x.t().argmax(dim=-1))  # not unit stride: torch's op

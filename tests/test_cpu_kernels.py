@@ -482,11 +482,13 @@ def test_engine_runs_the_compiled_kernels_token_identical(tiny_qwen3):
     llm = LLM(str(tiny_qwen3), page_size=8, num_pages=128, chunk_size=16, token_budget=64, prefix_cache=False)
     ops = llm.engine.model.ops
     assert isinstance(getattr(ops.decode_attention, "__self__", None), kcpu.CompiledOps)
+    assert llm.engine.sampler.argmax == ops.argmax and ops.argmax != TORCH_OPS.argmax  # greedy rows too
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (3, 30, 70)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     got = [c.token_ids for c in llm.generate(prompts, params)]
     llm.engine.model.ops = TORCH_OPS
+    llm.engine.sampler.argmax = TORCH_OPS.argmax
     for m in llm.engine.model.modules():
         if hasattr(m, "ops"):
             m.ops = TORCH_OPS

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from kernels import TORCH_OPS, Ops, activation, attention, norm, rotary
+from kernels import TORCH_OPS, Ops, activation, attention, norm, rotary, sampling
 from kernels.cpuinfo import LEVELS, CpuInfo, cpu_info, hardware_isa
 
 log = logging.getLogger("trnd.kernels")
@@ -132,6 +132,8 @@ def _register_fakes(name: str) -> None:
     if hasattr(getattr(torch.ops, name), "prefill_attention_f32"):  # nor one older than csrc/prefill_f32.cpp
         torch.library.register_fake(f"{name}::prefill_attention_f32")(
             lambda q, kv, layer, pages, prior, scale: q.new_empty(q.shape))
+    if hasattr(getattr(torch.ops, name), "argmax_rows"):  # nor one older than the argmax
+        torch.library.register_fake(f"{name}::argmax_rows")(lambda x: x.new_empty((x.shape[0],), dtype=torch.long))
     torch.library.register_fake(f"{name}::qk_norm_rotary")(
         lambda q, k, qw, kw, eps, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
 
@@ -195,6 +197,12 @@ class CompiledOps:
         if not (gate_up.dim() == 2 and self.rows(gate_up, gate_up.shape[-1] // 2)):
             return activation.silu_and_mul(gate_up)
         return self.lib.silu_and_mul(gate_up)
+
+    def argmax(self, logits):
+        if not (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16)
+                and logits.shape[1] > 0 and logits.stride(1) == 1):
+            return sampling.argmax(logits)
+        return self.lib.argmax_rows(logits)
 
     def write_kv(self, kv, layer, k, v, meta) -> None:
         if not self.takes(k, kv):
@@ -290,7 +298,8 @@ def ops_table(c: CompiledOps) -> Ops:
     return replace(TORCH_OPS, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, apply_rotary=c.apply_rotary,
                    silu_and_mul=c.silu_and_mul, qk_norm_rotary=c.qk_norm_rotary, write_kv=c.write_kv,
                    decode_attention=c.decode_attention, prefill_attention=c.prefill_attention,
-                   decode_layers=c.decode_layers if hasattr(c.lib, "decode_layers") else None)
+                   decode_layers=c.decode_layers if hasattr(c.lib, "decode_layers") else None,
+                   argmax=c.argmax if hasattr(c.lib, "argmax_rows") else sampling.argmax)
 
 
 def _turned_off() -> bool:

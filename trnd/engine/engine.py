@@ -174,7 +174,7 @@ class Engine:
         self.scheduler.tiers = self.tiers
         if self.workers:
             self.workers.ready()
-        self.sampler = Sampler(self.tokenizer.eos_token_ids, seed=cfg.seed)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, seed=cfg.seed, argmax=self.model.ops.argmax)
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size)
         self.streams: dict[str, OutputStream] = {}
         self.stats = EngineStats()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,17 +71,19 @@ def _uniform(bits53: int) -> float:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int], seed: int | None = None):
-        """seed: only for the draws of unseeded requests (tests); None takes OS entropy."""
+    def __init__(self, eos_token_ids: list[int], seed: int | None = None, argmax: Callable = K.argmax):
+        """seed: only for the draws of unseeded requests (tests); None takes OS entropy. argmax: the rows' argmax
+        op, the model's (kernels.Ops.argmax: compiled on the CPU)."""
         self.eos_token_ids = list(eos_token_ids)
         self._rng = random.Random(seed)
+        self.argmax = argmax
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[SampleOut]:
         B, V = logits.shape
         if B != len(reqs):
             raise ValueError(f"logits has {B} rows for {len(reqs)} requests")
         if all(_plain_greedy(r) for r in reqs):  # decode hot path: one batched argmax
-            return [SampleOut(t) for t in logits.argmax(dim=-1).tolist()]
+            return [SampleOut(t) for t in self.argmax(logits).tolist()]
 
         dev = logits.device
         x = logits.float()
@@ -118,7 +121,7 @@ class Sampler:
             states = [reqs[i].grammar for i in gram]
             x = states[0].grammars.mask(x, gram, states)
 
-        tokens = x.argmax(dim=-1)  # right for greedy rows; random rows are overwritten below
+        tokens = self.argmax(x)  # right for greedy rows; random rows are overwritten below
         rnd = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rnd:
             ps = [reqs[i].params for i in rnd]
