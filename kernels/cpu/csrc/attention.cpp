@@ -342,8 +342,9 @@ void emit_row(const Args& a, const Item& it, int64_t g, const float* o, float m,
 // page: the page's K rows of all nh heads (adjacent in the pool) one head after the other, then, after the
 // block's softmax, its V rows likewise. A thread that ran head after head read each page in runs of one head's
 // P x D and jumped (4 KB in fp32 at P = 16, D = 64); here the runs are nh times longer, which DRAM streams faster
-// (b=12-16 at ctx 576, AMD Zen 4, the 12 layers' calls: 1.05-1.10x in fp32, 1.03-1.06x in bf16; a plain read of
-// the pool in this order against the head-by-head one: 1.4-1.6x).
+// (b=4-16 at ctx 576, AMD Zen 4, the 12 layers' calls: 1.15-1.17x in fp32, 1.17-1.27x in bf16 with dpbf16; a plain
+// read of the pool in this order against the head-by-head one: 1.4-1.6x; docs/RESULTS.md, "Issue 15, 2026-12-06
+// (second session)").
 template <typename T, int GB>
 void run_heads(const Args& a, const Item* its, int64_t nh, int64_t g0, int64_t gn, T* out, int64_t out_s0,
                float* part_o, float* part_ml) {

@@ -71,8 +71,9 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N) 
       // rows in tiles of near-equal size (8 rows: 4 + 4, not 6 + 2: a short tile pays a whole weight load for few FMAs)
       const float* blk = wp + b * K * F32_BLOCK;
       // With more than one tile, the next block of this thread's range goes into L2 over all of this block's tiles
-      // (Spread, as csrc/linear.cpp): the model's linears at 8-16 rows (c=16's decode) 1.03-1.32x faster than
-      // prefetching it all under the second tile (docs/RESULTS.md, "Issue 15 on 2026-12-06").
+      // (Spread, as csrc/linear.cpp): the model's linears at 8-16 rows (c=4-16's decode) 1.01-1.30x faster than
+      // prefetching it all under the second tile in 8 of 9 alternated runs, 0.83x in one (docs/RESULTS.md,
+      // "Issue 15, 2026-12-06 (second session)").
       Spread next;
       if (tiles > 1 && b + 1 < nb && (b + 1) % chunk != 0) {
         next.p = reinterpret_cast<const char*>(blk + K * F32_BLOCK);
