@@ -42,3 +42,21 @@ def test_trnd_runs_at_its_default_dtype(isa, tmp_path, key):
     isa("avx2")
     srv = make_server(key, _ctx(tmp_path))
     assert not any("--dtype" in w for w in srv.cmd), srv.cmd
+
+
+def test_a_trnd_server_on_the_torch_ops_is_a_problem_row(tmp_path):
+    """serve-compare reads each trnd server's log: one whose processes ran the torch ops (no build, or a build
+    stale against the sources) is reported, not passed off as trnd's figures; a peer's log is not read."""
+    from trnd.bench.servers import Server, kernel_problems
+
+    def server(key: str, text: str) -> Server:
+        log = tmp_path / f"{key}.log"
+        log.write_text(text)
+        return Server(key, ["true"], {}, 0, log, "/health")
+
+    stale = ("05:04:50 INFO    trnd.kernels: cpu kernels: not used (/x/trnd_avx512.so was built from other sources "
+             "than /x/csrc (changed since): rebuild it); the torch ops run\n")
+    got = kernel_problems(server("trnd-disagg", "start\n" + stale + stale))
+    assert len(got) == 1 and "torch ops" in got[0] and "built from other sources" in got[0]
+    assert kernel_problems(server("trnd-agg", "INFO trnd.kernels: cpu kernels: trnd_avx512 with dpbf16 on ...\n")) == []
+    assert kernel_problems(server("vllm", stale)) == []

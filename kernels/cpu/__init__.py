@@ -363,6 +363,9 @@ def _cpu_build() -> tuple[object | None, str]:
     return load_library(name)
 
 
+NOT_USED = "cpu kernels: not used"  # what a process that runs the torch ops logs (trnd/bench/servers.py reads it)
+
+
 @lru_cache(maxsize=1)
 def cpu_ops() -> Ops:
     """The CPU backend's table: the compiled kernels for this CPU where they load, else the torch ops."""
@@ -370,7 +373,7 @@ def cpu_ops() -> Ops:
     name = variant_for(info)
     lib, why = _cpu_build()
     if why:
-        log.info("cpu kernels: not used (%s); the torch ops run", why)
+        log.info("%s (%s); the torch ops run", NOT_USED, why)
         return TORCH_OPS
     dpbf16 = info.isa == "avx512_bf16"
     amx = amx_usable(info, name, lib)

@@ -270,6 +270,18 @@ def client_env() -> dict[str, str]:
     return env
 
 
+def kernel_problems(srv: Server) -> list[str]:
+    """A trnd server whose processes logged that their compiled CPU kernels were not used (no build, or a build
+    stale against the sources, e.g. kernels/cpu/csrc edited while the benchmark ran) measured the torch ops, not
+    trnd as installed: its rows say so rather than pass as trnd's figures."""
+    from kernels.cpu import NOT_USED
+
+    if not srv.key.startswith("trnd") or not srv.log.exists():
+        return []
+    why = [line.strip() for line in srv.log.read_text(errors="replace").splitlines() if NOT_USED in line]
+    return [f"ran the torch ops, not the compiled kernels: {why[0][why[0].index(NOT_USED):][:300]}"] if why else []
+
+
 def run_bench(ctx: Ctx, srv: Server, conc: int, rnd: int = 1) -> dict:
     name = f"{srv.key}-c{conc}-r{rnd}.json"
     cmd = bench_cmd(ctx, srv, conc, ctx.out, name)
@@ -286,6 +298,7 @@ def run_bench(ctx: Ctx, srv: Server, conc: int, rnd: int = 1) -> dict:
         res["_problems"].append(f"completed {res.get('completed')} of {ctx.args.num_prompts} requests")
     if res.get("total_output_tokens") != want:
         res["_problems"].append(f"total_output_tokens {res.get('total_output_tokens')} != {want}")
+    res["_problems"] += kernel_problems(srv)
     for p in res["_problems"]:
         print(f"  WARNING {srv.key} c={conc}: {p} (log {log})", flush=True)
     return res
