@@ -278,8 +278,10 @@ def kernel_problems(srv: Server) -> list[str]:
 
     if not srv.key.startswith("trnd") or not srv.log.exists():
         return []
-    why = [line.strip() for line in srv.log.read_text(errors="replace").splitlines() if NOT_USED in line]
-    return [f"ran the torch ops, not the compiled kernels: {why[0][why[0].index(NOT_USED):][:300]}"] if why else []
+    text = srv.log.read_text(errors="replace")
+    if (at := text.find(NOT_USED)) < 0:
+        return []
+    return [f"ran the torch ops, not the compiled kernels: {text[at:].splitlines()[0][:300]}"]
 
 
 def run_bench(ctx: Ctx, srv: Server, conc: int, rnd: int = 1) -> dict:

@@ -213,53 +213,50 @@ inline void softmax_step(Rows<GB>& r, int64_t D, int64_t n) {
   }
 }
 
-// o[g] += sum_j p[g][off + j] V[j] over one page's n rows, accumulators held in registers across them. Two
-// vectors of head_dim a pass where 2 GB accumulators, two V vectors and a broadcast fit the registers: per row,
-// 2 V loads and GB broadcasts for 2 GB FMAs instead of 1 and GB for GB (bound by the loads, not the FMAs). The
-// 12 layers' calls at ctx 576, AMD Zen 4: fp32 1.085x at b=1, 1.00-1.02x at b=4-16 (there DRAM binds), bf16 on the
-// AVX2 build 1.07-1.10x, fp32 on the AVX-512 build 1.03-1.04x.
+// o[g][c, c + CW W) += sum_j p[g][off + j] V[j][c, c + CW W) over one page's n rows, the CW x GB accumulators
+// held in registers across them.
+template <typename T, int GB, int CW>
+inline void pv_pass(Rows<GB>& r, const T* V, int64_t D, int64_t n, int64_t off, int64_t c) {
+  vf a[CW][GB];
+#pragma GCC unroll 8
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 2
+    for (int w = 0; w < CW; ++w) a[w][g] = vload(r.o + g * D + c + w * W);
+  for (int64_t j = 0; j < n; ++j) {
+    vf v[CW];
+#pragma GCC unroll 2
+    for (int w = 0; w < CW; ++w) v[w] = vload(V + j * D + c + w * W);
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) {
+      const vf p = vset(r.s[g * BLOCK + off + j]);
+#pragma GCC unroll 2
+      for (int w = 0; w < CW; ++w) a[w][g] = vfma(p, v[w], a[w][g]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 2
+    for (int w = 0; w < CW; ++w) vstore(r.o + g * D + c + w * W, a[w][g]);
+}
+
+// o[g] += sum_j p[g][off + j] V[j] over one page's n rows. Two vectors of head_dim a pass where 2 GB accumulators,
+// two V vectors and a broadcast fit the registers: per row, 2 V loads and GB broadcasts for 2 GB FMAs instead of 1
+// and GB for GB (bound by the loads, not the FMAs). The 12 layers' calls at ctx 576, AMD Zen 4: fp32 1.085x at
+// b=1, 1.00-1.02x at b=4-16 (there DRAM binds), bf16 on the AVX2 build 1.07-1.10x, fp32 on the AVX-512 build
+// 1.03-1.04x.
 template <typename T, int GB>
 inline void accumulate(Rows<GB>& r, const T* V, int64_t D, int64_t n, int64_t off, Ahead& pf) {
-  constexpr bool PAIRS = 2 * GB + 3 <= (W == 16 ? 32 : 16);
+  constexpr bool PAIRS = 2 * GB + 3 <= (W == 16 ? 32 : 16);  // the vector registers: 32 with AVX-512, else 16
   int64_t c = 0;
-  if constexpr (PAIRS) {
+  if constexpr (PAIRS)
     for (; c + 2 * W <= D; c += 2 * W) {
       pf.step();
       pf.step();
-      vf a[GB], b[GB];
-#pragma GCC unroll 8
-      for (int g = 0; g < GB; ++g) {
-        a[g] = vload(r.o + g * D + c);
-        b[g] = vload(r.o + g * D + c + W);
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const vf v0 = vload(V + j * D + c), v1 = vload(V + j * D + c + W);
-#pragma GCC unroll 8
-        for (int g = 0; g < GB; ++g) {
-          const vf p = vset(r.s[g * BLOCK + off + j]);
-          a[g] = vfma(p, v0, a[g]);
-          b[g] = vfma(p, v1, b[g]);
-        }
-      }
-#pragma GCC unroll 8
-      for (int g = 0; g < GB; ++g) {
-        vstore(r.o + g * D + c, a[g]);
-        vstore(r.o + g * D + c + W, b[g]);
-      }
+      pv_pass<T, GB, 2>(r, V, D, n, off, c);
     }
-  }
   for (; c < D; c += W) {
     pf.step();
-    vf a[GB];
-#pragma GCC unroll 8
-    for (int g = 0; g < GB; ++g) a[g] = vload(r.o + g * D + c);
-    for (int64_t j = 0; j < n; ++j) {
-      vf v = vload(V + j * D + c);
-#pragma GCC unroll 8
-      for (int g = 0; g < GB; ++g) a[g] = vfma(vset(r.s[g * BLOCK + off + j]), v, a[g]);
-    }
-#pragma GCC unroll 8
-    for (int g = 0; g < GB; ++g) vstore(r.o + g * D + c, a[g]);
+    pv_pass<T, GB, 1>(r, V, D, n, off, c);
   }
   pf.finish();
 }
@@ -382,11 +379,8 @@ void run_heads(const Args& a, const Item* its, int64_t nh, int64_t g0, int64_t g
                float* part_o, float* part_ml) {
   const Pool& p = a.pool;
   const int64_t D = p.D, P = p.P, head = P * D, lines = head * static_cast<int64_t>(sizeof(T)) / 64;
-  // ~4 KB of state a query row: one item's on the stack, several heads' in a buffer kept per thread
-  Rows<GB> one;
-  thread_local std::vector<Rows<GB>> many;
-  if (nh > 1 && many.size() < static_cast<size_t>(nh)) many.resize(nh);
-  Rows<GB>* rs = nh > 1 ? many.data() : &one;
+  thread_local std::vector<Rows<GB>> rs;  // ~4 KB of state a query row: a buffer kept per thread, not the stack
+  if (rs.size() < static_cast<size_t>(nh)) rs.resize(nh);
   alignas(64) float kf[W * MAX_D];  // one block of K widened to fp32 (bf16 pools)
   for (int64_t h = 0; h < nh; ++h) start_rows<T, GB>(a, its[h], g0, gn, rs[h]);
   const Item& it = its[0];
