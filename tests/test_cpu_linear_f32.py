@@ -48,6 +48,49 @@ def test_linear_f32_matches_the_exact_product(build, m, n, k):
     assert_fp32_product(lib.linear_f32(x, lib.pack_linear_f32(w), n), x, w)
 
 
+def bf16_valued(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 13, 16, 64, 300])
+@pytest.mark.parametrize("n,k", [(1, 1), (15, 3), (33, 65), (200, 130), (1280, 768)])
+def test_bf16_packed_weights_give_the_fp32_packings_bits(build, m, n, k):
+    """Weights whose values are all bf16 (a bf16 checkpoint run in fp32), packed at 2 bytes a value: the same
+    products in the same order, so the very bits of the fp32 packing, at every row-tile split and column tail."""
+    _, lib = build
+    torch.manual_seed(m * 7 + n + k)
+    w, x = bf16_valued(n, k), torch.randn(m, k)
+    half = lib.pack_linear_f32(w, True)
+    assert half.dtype == torch.bfloat16 and half.shape == lib.pack_linear_f32(w).shape
+    y = lib.linear_f32(x, half, n)
+    assert torch.equal(y, lib.linear_f32(x, lib.pack_linear_f32(w), n))
+    assert_fp32_product(y, x, w)
+
+
+def test_bf16_packed_layout_pairs_column_c_with_column_c_plus_a_vector(build):
+    """Each k-row of a block is W 32-bit pairs: column c in the low half, column W + c in the high (f32_tile.h)."""
+    name, lib = build
+    b = BLOCK[name]
+    vw = b // 2
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)  # small integers: exact in bf16
+    p = lib.pack_linear_f32(w, True)
+    nb = -(-40 // b)
+    assert p.shape == (nb, 3, b)
+    for n in (0, 5, vw - 1, vw, b - 1, b, 39):
+        blk, c = divmod(n, b)
+        for k in range(3):
+            assert p[blk, k, 2 * (c % vw) + c // vw] == w[n, k]
+    assert (p[-1].float().view(3, vw, 2).permute(0, 2, 1).reshape(3, b)[:, 40 % b:] == 0).all()
+
+
+def test_a_weight_that_is_not_bf16_valued_is_refused_bf16_packing(build):
+    _, lib = build
+    w = bf16_valued(8, 4)
+    w[3, 1] += 2.0**-12  # one value off the bf16 grid
+    with pytest.raises(RuntimeError, match="bf16=True wants every value a bfloat16"):
+        lib.pack_linear_f32(w, True)
+
+
 def test_prefill_sized_calls_split_over_threads(build):
     _, lib = build
     torch.manual_seed(1)
@@ -117,6 +160,21 @@ def test_fp32_linears_take_the_build_for_this_cpu():
 
 
 @needs_chosen
+def test_fp32_linears_pack_bf16_valued_weights_at_half_the_bytes():
+    """A bf16 checkpoint loaded in fp32 keeps 2 bytes a weight in the packing; any other fp32 weight keeps 4."""
+    torch.manual_seed(4)
+    half, full = (Linear(64, 70, [Source("w")], torch.float32, TP1) for _ in range(2))
+    half.weight.data.copy_(bf16_valued(70, 64))
+    full.weight.data.normal_()
+    w = half.weight.detach().clone()
+    assert half.prepack() and full.prepack()
+    assert half.packed.data.dtype == torch.bfloat16 and full.packed.data.dtype == torch.float32
+    x = torch.randn(5, 64)
+    ref = kcpu.linear_f32_lib()
+    assert torch.equal(half(x), ref.linear_f32(x, ref.pack_linear_f32(w), 70))
+
+
+@needs_chosen
 def test_a_linear_with_bias_and_leading_dims(build):
     torch.manual_seed(3)
     lin = Linear(64, 96, [Source("w")], torch.float32, TP1, bias_sources=[Source("b")])
@@ -136,7 +194,7 @@ def test_a_packed_fp32_linear_traces_in_one_graph():
     """engine/compiled.py traces the model with fullgraph=True: the op has a shape for tracing."""
     torch.manual_seed(6)
     lin = Linear(64, 70, [Source("w")], torch.float32, TP1)
-    lin.weight.data.normal_()
+    lin.weight.data.copy_(bf16_valued(70, 64))  # packed as bf16: the op's fake shape holds for it too
     assert lin.prepack()
     traced = torch.compile(lin, backend="eager", fullgraph=True, dynamic=True)
     for m in (1, 7, 20):

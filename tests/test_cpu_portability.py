@@ -100,7 +100,7 @@ def test_bf16_checkpoint_serves_on_an_avx2_cpu(tiny_bf16, dtype):
     # bf16: no oneDNN bf16 reorder on this CPU class, plain F.linear; fp32 (auto): the AVX2 build's fp32 linear
     assert r["packed"] == (dtype == "auto")
     if dtype == "auto":
-        assert r["paths"]["linears"] == "compiled torch.ops.trnd_avx2 fp32 (packed at load)"
+        assert r["paths"]["linears"] == "compiled torch.ops.trnd_avx2 fp32 (packed at load, bf16-valued weights at 2 bytes)"
     assert r["dtype"] == ("torch.float32" if dtype == "auto" else "torch.bfloat16")
     assert r["paths"]["isa"] == "avx2" and "avx512f" not in r["paths"]["flags"]
 

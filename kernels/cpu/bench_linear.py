@@ -45,12 +45,16 @@ def main(argv=None) -> int:
     if lib is None or (a.dtype == "bfloat16" and info.isa != "avx512_bf16"):
         raise SystemExit(f"our {a.dtype} linear does not run here: {why or info.summary()}")
     torch.manual_seed(0)
-    plain = [torch.randn(n, k).to(dtype) for _ in range(a.layers) for n, k in LAYER] + [torch.randn(*HEAD).to(dtype)]
+    # bf16 values, as a bf16 checkpoint's weights are in any compute dtype (fp32 packs them at half the bytes too)
+    plain = [torch.randn(*s).to(torch.bfloat16).to(dtype) for s in [*LAYER * a.layers, HEAD]]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in plain]
     gb = sum(w.numel() * w.element_size() for w in plain) / 1e9
     if a.dtype == "float32":
         ours = [(lib.pack_linear_f32(w), w.shape[0]) for w in plain]
-        variants = {f"trnd {name} fp32": lambda xs: [lib.linear_f32(xs[p.shape[1]], p, n) for p, n in ours]}
+        halves = [(lib.pack_linear_f32(w, True), w.shape[0]) for w in plain]
+        variants = {f"trnd {name} fp32": lambda xs: [lib.linear_f32(xs[p.shape[1]], p, n) for p, n in ours],
+                    f"trnd {name} fp32, bf16-packed": lambda xs: [lib.linear_f32(xs[p.shape[1]], p, n)
+                                                                 for p, n in halves]}
     else:
         ours = [(lib.pack_linear(w), w.shape[0]) for w in plain]
         variants = {"trnd dpbf16": lambda xs: [lib.linear(xs[p.shape[1] * 2], p, n) for p, n in ours]}

@@ -43,7 +43,7 @@ def cpu_paths(dtype: str, why: str) -> dict[str, str]:
     """The CPU fast paths this process takes, for the start-up log line, `trnd check cpu` and bench tables."""
     info = cpu_info()
     if dtype == "float32" and linear_f32_lib() is not None:
-        prepack = f"compiled {linear_f32_lib().__name__} fp32 (packed at load)"
+        prepack = f"compiled {linear_f32_lib().__name__} fp32 (packed at load, bf16-valued weights at 2 bytes)"
     elif dtype == "float32" and onednn_fp32_prepack():
         prepack = "oneDNN float32 prepacked"
     elif dtype != "bfloat16":

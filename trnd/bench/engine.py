@@ -168,7 +168,8 @@ def _best(runs: list[dict]) -> dict:
 
 
 def weight_bytes(model_dir: str, dtype: str | None = None) -> int:
-    """Bytes one decode step reads: every weight once, in the dtype it is loaded in."""
+    """Bytes one decode step reads at least: every weight once, in the dtype it is loaded in or the checkpoint's where
+    that is narrower (the compiled fp32 linears keep a bf16 checkpoint's weights at 2 bytes: csrc/linear_f32.cpp)."""
     from safetensors import safe_open
 
     from trnd.model.loader import _weight_files
@@ -182,7 +183,7 @@ def weight_bytes(model_dir: str, dtype: str | None = None) -> int:
                 for d in sl.get_shape():
                     n *= d
                 size = 2 if sl.get_dtype() in ("BF16", "F16") else 4
-                total += n * ({"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype or "", size))
+                total += n * min(size, {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype or "", size))
     return total
 
 

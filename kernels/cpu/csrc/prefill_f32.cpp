@@ -83,7 +83,7 @@ void run_f32_block(const F32Ctx& c, int64_t hq, int64_t t0) {
   const int64_t last = c.prior + t0 + R - 1;  // the block's last query's position: its keys are [0, last]
   for (int64_t k0 = 0; k0 <= last; k0 += FSTEP) {
     for (int64_t kb0 = 0; kb0 < FSTEP; kb0 += FKB)  // S = x K^T (unscaled), one tile of KB keys at a time
-      f32_tile<R>(x, c.qs0, D, kt + (k0 + kb0) * D, nullptr, s + kb0, FSTEP);
+      f32_tile<R>(x, c.qs0, D, kt + (k0 + kb0) * D, static_cast<const float*>(nullptr), s + kb0, FSTEP);
     for (int r = 0; r < R; ++r) {  // the online softmax over the step's keys, row by row
       float* sr = s + r * FSTEP;
       const int64_t first_masked = std::max<int64_t>(0, c.prior + t0 + r - k0 + 1);  // keys past row r's position

@@ -24,6 +24,13 @@ inline vf vload(const bf16* p) {  // bf16 is the top half of an fp32: widen by a
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+// 2W bf16 laid out as W 32-bit pairs: lo = the pairs' low halves, hi = their high halves, widened exactly to fp32
+// (a shift and a mask: the bf16 is the top half of an fp32).
+inline void vload_pairs(const bf16* p, vf& lo, vf& hi) {
+  __m512i v = _mm512_loadu_si512(p);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -78,6 +85,11 @@ inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vload(const bf16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void vload_pairs(const bf16* p, vf& lo, vf& hi) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
