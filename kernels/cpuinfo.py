@@ -40,8 +40,8 @@ class CpuInfo:
 
 @lru_cache(maxsize=1)
 def _read_cpuinfo() -> tuple[str, str, frozenset[str]]:
-    """(model name, vendor_id, flags) from /proc/cpuinfo, read once."""
-    model, vendor, flags = platform.processor() or platform.machine(), "", set()
+    """(model name with x86 family and model, vendor_id, flags) from /proc/cpuinfo, read once."""
+    model, vendor, flags, ids = platform.processor() or platform.machine(), "", set(), {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -51,10 +51,16 @@ def _read_cpuinfo() -> tuple[str, str, frozenset[str]]:
                     model = value.strip()
                 elif key == "vendor_id" and not vendor:
                     vendor = value.strip()
+                elif key in ("cpu family", "model") and key not in ids:
+                    ids[key] = value.strip()
                 elif key in ("flags", "Features") and not flags:
                     flags = set(value.split())
     except OSError:
         pass
+    if "cpu family" in ids and "model" in ids:
+        # A VM's model name can hide the generation ("AMD EPYC" on Zen 3, 4 and 5 alike): family and model
+        # tell the CPU classes apart in every figure's cpu line.
+        model = f"{model} (family {ids['cpu family']} model {ids['model']})"
     return model, vendor, frozenset(flags)
 
 

@@ -46,6 +46,17 @@ def test_avx2_cap_drops_avx512_and_native_bf16(capped):
     assert "isa" in info.summary() and info.model in info.summary()
 
 
+def test_cpu_line_tells_generations_apart():
+    """Zen 3, 4 and 5 VMs all call themselves "AMD EPYC": the cpu line carries family and model."""
+    fields = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+                  if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if "cpu family" not in fields:
+        pytest.skip("no x86 family/model in /proc/cpuinfo on this machine")
+    want = f"{fields['model name']} (family {fields['cpu family']} model {fields['model']})"
+    assert cpuinfo.cpu_info().model == want and cpuinfo.cpu_info().summary().startswith(want + "; flags: ")
+
+
 def test_bad_cap_names_the_variable(capped):
     capped("avx1024")
     with pytest.raises(ValueError, match="TRND_CPU_ISA='avx1024'"):
