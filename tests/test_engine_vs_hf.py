@@ -101,3 +101,43 @@ def test_logits_match_transformers_within_tolerance(tiny_model):
     with torch.no_grad():
         theirs = ref(ids[None]).logits[0]
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (ours - theirs).abs().max()
+
+
+def test_last_layer_runs_only_the_sampled_rows(tiny_model):
+    """Two prompts prefilled in one step, one finishing (its last row sampled), one a first chunk (no row
+    sampled): the last layer attends and runs its MLP for the one sampled row only, every row's K/V still goes
+    into the pool, and that row's logits are transformers' (the K/V the next chunk reads, too: the second
+    prompt's next chunk is checked against transformers as well)."""
+    from kernels.attention import AttnMeta, PrefillSeq
+    from trnd.model.loader import load_model
+
+    model, cfg = load_model(tiny_model, "float32")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    a, b = (torch.tensor(x) for x in prompts_of([21, 30], cfg.vocab_size, seed=4))
+    p, first = 8, 19  # b's first chunk: 19 of its 30 tokens, ending mid-page
+    kv = torch.zeros(16, cfg.num_layers, 2, cfg.num_kv_heads, p, cfg.head_dim)
+    pa, pb = torch.arange(len(a)), torch.arange(len(b))
+    pages_a, pages_b = torch.arange(0, 3), torch.arange(3, 7)  # a: 3 pages, b: 4
+    rows = []
+    hook = model.layers[-1].mlp.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[0]))
+    first_hook = model.layers[0].mlp.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[0]))
+    try:
+        ids = torch.cat([a, b[:first]])
+        pos = torch.cat([pa, pb[:first]])
+        pages = torch.cat([pages_a[pa // p], pages_b[pb[:first] // p]])
+        meta = AttnMeta(pages, pos % p, 0, None, None,
+                        [PrefillSeq(0, len(a), len(a), pages_a), PrefillSeq(len(a), first, first, pages_b[:3])])
+        ours_a = model(ids, pos, kv, meta, torch.tensor([len(a) - 1]))
+        assert rows == [len(a) + first, 1]  # first layer: every row; last layer: the sampled one
+        rows.clear()
+        rest = pb[first:]  # b's second chunk reads its first chunk's K/V from the pages, last layer's included
+        meta = AttnMeta(pages_b[rest // p], rest % p, 0, None, None, [PrefillSeq(0, len(rest), len(b), pages_b)])
+        ours_b = model(b[first:], rest, kv, meta, torch.tensor([len(rest) - 1]))
+        assert rows == [len(rest), 1]
+    finally:
+        hook.remove()
+        first_hook.remove()
+    with torch.no_grad():
+        theirs_a, theirs_b = ref(a[None]).logits[0, -1], ref(b[None]).logits[0, -1]
+    assert torch.allclose(ours_a[0], theirs_a, atol=1e-4, rtol=1e-4), (ours_a[0] - theirs_a).abs().max()
+    assert torch.allclose(ours_b[0], theirs_b, atol=1e-4, rtol=1e-4), (ours_b[0] - theirs_b).abs().max()
