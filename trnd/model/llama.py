@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -61,8 +62,15 @@ class Attention(nn.Module):
             q, k = self.ops.apply_rotary(q, k, cos, sin)
         self.ops.write_kv(kv, self.layer, k, v, meta)
         nd = meta.num_decode
-        if keep is not None:  # no row wanted: nothing past the K/V write
-            return self.o(self._attend_rows(q, k, v, kv, meta, keep).reshape(len(keep), nq * hd)) if keep else x[:0]
+        # From here on the kept rows only, through the same dispatch: a kept chunk row becomes a one-token chunk
+        # whose context, this chunk's K/V included (written just above), is read from the pages.
+        if keep is not None:
+            if not keep:
+                return x[:0]
+            wanted = set(keep)
+            kept = (s for s in meta.prefill if s.q_start + s.q_len - 1 in wanted)
+            meta = replace(meta, prefill=[PrefillSeq(nd + i, 1, s.ctx_len, s.pages) for i, s in enumerate(kept)])
+            q, k, v, t = q[keep], k[keep], v[keep], len(keep)
         if meta.chunk_pages is not None:  # static path: one padded chunk (see chunk_attention)
             out = chunk_attention(q, kv, self.layer, meta.chunk_pages, meta.chunk_pos, self.scale)
         elif nd == t:
@@ -79,21 +87,6 @@ class Attention(nn.Module):
                 sl = slice(s.q_start, s.q_start + s.q_len)
                 out[sl] = self.ops.prefill_attention(q[sl], k[sl], v[sl], kv, self.layer, s, page_size, self.scale)
         return self.o(out.reshape(t, nq * hd))
-
-    def _attend_rows(self, q, k, v, kv: torch.Tensor, meta: AttnMeta, keep: list[int]) -> torch.Tensor:
-        """Attention for the decode rows and for the last row of each chunk in `keep`: that row is a one-token
-        chunk whose whole context (this chunk's K/V included, written just before) is read from the pages."""
-        nd, page_size = meta.num_decode, fp8.page_size_of(kv, self.hd)
-        outs = [self.ops.decode_attention(q[:nd], kv, self.layer, meta, self.scale)] if nd else []
-        wanted = set(keep)
-        for s in meta.prefill:
-            r = s.q_start + s.q_len - 1
-            if r in wanted:
-                one = PrefillSeq(0, 1, s.ctx_len, s.pages)
-                r1 = slice(r, r + 1)
-                outs.append(self.ops.prefill_attention(q[r1], k[r1], v[r1], kv, self.layer, one, page_size,
-                                                       self.scale))
-        return torch.cat(outs)
 
 
 class MLP(nn.Module):
@@ -156,23 +149,22 @@ class CausalLM(nn.Module):
                 sample_rows: torch.Tensor) -> torch.Tensor:
         """ids, positions [T]; sample_rows [B] rows of the batch to compute logits for -> [B, vocab] fp32."""
         cos, sin = cos_sin(positions, self.inv_freq, self.cfg.dtype)
-        x, residual = self.embed(ids), None
+        x, residual, keep = self.embed(ids), None, None
         if (args := self._decode_layers_args(kv, meta, ids.shape[0])) is not None:
             cfg, attn = self.cfg, self.layers[0].attn
             x, residual = self.ops.decode_layers(x, *args, cos, sin, kv, meta, attn.nq, attn.nk, attn.scale,
                                                  cfg.rms_norm_eps)
-            x, residual = x[sample_rows], residual[sample_rows]
         else:
             keep, last = self._sampled_only(meta, sample_rows, ids.shape[0]), len(self.layers) - 1
             for i, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, cos, sin, kv, meta, keep if i == last else None)
-            if keep is None:
-                x, residual = x[sample_rows], residual[sample_rows]
+        if keep is None:
+            x, residual = x[sample_rows], residual[sample_rows]
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return self.lm_head(x).float()
 
     def _sampled_only(self, meta: AttnMeta, sample_rows: torch.Tensor, t: int) -> list[int] | None:
-        """The rows the last layer need compute past its K/V write, where that is fewer than all: a prefill
+        """The rows the last layer needs past its K/V write, where that is fewer than all: a prefill
         chunk's rows other than a finishing prompt's last one feed nothing but the KV cache there, so its
         attention, o_proj and MLP (7% of a prefill's linears in the `small` model, one layer in twelve) are
         skipped for them, as llama.cpp skips the last layer's FFN for rows with no output. None: every row (a
