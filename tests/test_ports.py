@@ -1,6 +1,8 @@
 """The port plumbing of trnd/procs.py. free_port never hands out one port twice in a process: the local
 deployment (roles/local.py) and the tests take several ports before the children that bind them start,
-and the kernel does offer a port it has just given again. dial refuses a connection that reached itself."""
+and the kernel does offer a port it has just given again. It draws them below the kernel's ephemeral range,
+where no port the kernel hands out can take one before its child binds it. dial refuses a connection that
+reached itself."""
 
 import asyncio
 import socket
@@ -28,8 +30,42 @@ def test_a_port_the_kernel_offers_again_is_not_handed_out_again(monkeypatch):
     Replaying.script = [p, p, q]
     monkeypatch.setattr(procs.socket, "socket", Replaying)
     monkeypatch.setattr(procs, "_handed_out", set())
+    monkeypatch.setattr(procs, "_ephemeral_start", lambda: 1024)  # no room below it: the kernel's pick
     assert (procs.free_port(), procs.free_port()) == (p, q)
     assert not Replaying.script
+
+
+class Scripted:
+    def __init__(self, ports):
+        self.ports = ports
+
+    def randrange(self, lo, hi):
+        port = self.ports.pop(0)
+        assert lo <= port < hi
+        return port
+
+
+def test_ports_are_drawn_below_the_ephemeral_range_and_a_taken_one_is_skipped(monkeypatch):
+    top = procs._ephemeral_start()
+    if top <= 12000:
+        pytest.skip(f"the ephemeral range starts at {top}: no room below it, ports come from the kernel")
+    ports = [procs.free_port() for _ in range(50)]
+    assert all(10000 <= p < top for p in ports), ports
+    taken, free = [p for p in range(10000, top) if p not in ports and _free(p)][:2]
+    with socket.socket() as held:  # a port another process listens on is never handed out
+        held.bind(("127.0.0.1", taken))
+        held.listen()
+        monkeypatch.setattr(procs, "_rng", Scripted([taken, free]))
+        assert procs.free_port() == free
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def test_many_picks_are_distinct():

@@ -21,6 +21,12 @@ class TPGroup:
             dist.all_reduce(x)
         return x
 
+    def barrier(self) -> None:
+        """Wait for every rank. An all-reduce or all-gather of zero elements returns at once under gloo, so it
+        does not stand in for one."""
+        if self.size > 1:
+            dist.barrier()
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x along the last dim (vocab-parallel logits)."""
         if self.size == 1:

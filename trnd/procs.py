@@ -4,6 +4,7 @@ ports and dialing a peer's, readiness, the child's death with its parent, the ex
 from __future__ import annotations
 
 import errno
+import random
 import signal
 import socket
 import struct
@@ -93,20 +94,46 @@ async def start_checked_server(on_conn, sock: socket.socket):
 
 
 _handed_out: set[int] = set()
+_rng = random.SystemRandom()  # not the random module's state, which a forked child shares with its parent
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
-    """A loopback port free now that this process has not handed out before. Callers take several before
-    the children that bind them start, and the kernel offers a port it just gave again (measured here: 1877
-    distinct ports in 2000 picks): a decode server given its prefill's admin port lost it to the prefill,
+    """A loopback port free now that this process has not handed out before, for a child to bind soon.
+
+    Drawn at random below the kernel's ephemeral range where that range leaves room: a port the kernel hands
+    out (bind to 0, an outgoing connection, a NIXL or gloo listener) never comes from there, so none of them
+    can take it before the child binds it. That happened: a port picked by binding to 0 was another process's
+    when the test's server started. Not handing a port out twice matters too: callers take several before the
+    children that bind them start, and a decode server given its prefill's admin port lost it to the prefill,
     whose /ready then answered for it."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
+    top = _ephemeral_start()
+    for _ in range(200):
+        if top > 12000:
+            port = _rng.randrange(10000, top)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port in _handed_out:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError(errno.EADDRINUSE, "no free loopback port found in 200 tries")
 
 
 def is_ready(port: int, path: str = "/ready", timeout: float = 0.5) -> bool:

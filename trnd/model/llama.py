@@ -158,6 +158,12 @@ class CausalLM(nn.Module):
             keep, last = self._sampled_only(meta, sample_rows, ids.shape[0]), len(self.layers) - 1
             for i, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, cos, sin, kv, meta, keep if i == last else None)
+            if keep == []:
+                # Every layer's K/V write is followed by a collective (o_proj's all-reduce), so rank 0 returns
+                # only once every rank's pages hold this step's K/V: the prefill role ships them right after
+                # (roles/prefill.py). A last layer that keeps no row has no such collective after its write, and
+                # the LM head's all-gather of zero rows does not wait: wait here instead.
+                self.tp.barrier()
         if keep is None:
             x, residual = x[sample_rows], residual[sample_rows]
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
