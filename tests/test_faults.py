@@ -49,8 +49,16 @@ def rss_mb(pid: int) -> float:
 
 
 def background(fn) -> tuple[threading.Thread, dict]:
+    """fn() on a thread: its dict, or {"error": e} where it lost its connection (a server the test kills)."""
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(fn()))
+
+    def run():
+        try:
+            result.update(fn())
+        except httpx.TransportError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=run)
     t.start()
     return t, result
 
@@ -197,7 +205,7 @@ def test_sigkill_one_of_two_decodes_mid_transfer(tiny_qwen3, secret):
         expected = greedy(d)
         for round in range(3):
             long = prompts([6000], seed=14 + round)[0]  # a new prompt each round: no prefix cache hit
-            t, _ = background(lambda: httpx.post(f"http://127.0.0.1:{port2}/v1/completions", timeout=60,
+            t, r1 = background(lambda: httpx.post(f"http://127.0.0.1:{port2}/v1/completions", timeout=60,
                                                  json={"prompt": long, "max_tokens": 4}).status_code and {})
             t2, r2 = background(lambda: d.complete(long, max_tokens=4))
             assert wait_for(lambda: len(admin_state(ap)["running"]) >= 1, timeout=20, interval=0.01)
@@ -206,6 +214,7 @@ def test_sigkill_one_of_two_decodes_mid_transfer(tiny_qwen3, secret):
                 dec2.wait()
             t.join(60)
             t2.join(60)
+            assert r1 == {} or isinstance(r1["error"], httpx.TransportError), r1  # answered before the kill, or cut
             assert r2["status"] == 200, r2
             assert greedy(d) == expected
             dec2 = start_role("decode", tiny_qwen3, secret, "--kv-memory-gb", "0.25", "--served-model-name", "m",
