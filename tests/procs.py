@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -105,3 +106,18 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.05):
             return v
         time.sleep(interval)
     return pred()
+
+
+def background(fn) -> tuple[threading.Thread, dict]:
+    """fn() on a thread: its dict, or {"error": e} where it lost its connection (a server the test kills)."""
+    result: dict = {}
+
+    def run():
+        try:
+            result.update(fn())
+        except httpx.TransportError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, result

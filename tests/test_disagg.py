@@ -14,7 +14,7 @@ import torch
 from trnd.engine.request import SamplingParams
 from trnd.llm import LLM
 
-from .procs import admin_state, children, free_port, start_role, stop, wait_for, wait_ready
+from .procs import admin_state, background, children, free_port, start_role, stop, wait_for, wait_ready
 
 
 @pytest.fixture(scope="module")
@@ -263,11 +263,7 @@ def test_prefill_killed_mid_transfer_retries_on_the_other_peer(tiny_qwen3, secre
     try:
         long = prompts([6000], seed=5)[0]
         expected = aggregated(tiny_qwen3, [long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        import threading
-
-        result = {}
-        t = threading.Thread(target=lambda: result.update(d.complete(long, max_tokens=4)))
-        t.start()
+        t, result = background(lambda: d.complete(long, max_tokens=4))
         # whichever prefill got it: kill it while it is computing/transferring
         victim = wait_for(lambda: next((p for p in d.prefills if admin_state(p[2])["running"]), None), timeout=20,
                           interval=0.01)
@@ -290,11 +286,7 @@ def test_prefill_killed_with_no_other_peer_fails_503_and_restart_is_rehandshaked
     try:
         proc, cp, ap = d.prefills[0]
         long = prompts([6000], seed=6)[0]
-        import threading
-
-        result = {}
-        t = threading.Thread(target=lambda: result.update(d.complete(long, max_tokens=4)))
-        t.start()
+        t, result = background(lambda: d.complete(long, max_tokens=4))
         assert wait_for(lambda: admin_state(ap)["running"], timeout=20, interval=0.01)
         proc.send_signal(signal.SIGKILL)
         t.join(60)
@@ -315,15 +307,7 @@ def test_decode_killed_prefill_frees_its_pages(tiny_qwen3, secret):
     d = Deployment(tiny_qwen3, secret)
     try:
         long = prompts([6000], seed=7)[0]
-        import threading
-
-        def ask():
-            try:
-                d.complete(long, max_tokens=4)
-            except httpx.TransportError:  # the decode it asks is killed below
-                pass
-
-        threading.Thread(target=ask, daemon=True).start()
+        background(lambda: d.complete(long, max_tokens=4))  # its decode is killed below: a lost connection
         ap = d.prefills[0][2]
         assert wait_for(lambda: admin_state(ap)["running"], timeout=20, interval=0.01)
         d.decode.send_signal(signal.SIGKILL)

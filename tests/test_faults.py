@@ -16,7 +16,7 @@ import pytest
 
 from trnd.transfer import protocol as P
 
-from .procs import admin_state, children, free_port, start_role, stop, wait_for, wait_ready
+from .procs import admin_state, background, children, free_port, start_role, stop, wait_for, wait_ready
 from .test_disagg import Deployment, prompts
 
 SECRET = b"test-secret-0123456789"
@@ -46,21 +46,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def background(fn) -> tuple[threading.Thread, dict]:
-    """fn() on a thread: its dict, or {"error": e} where it lost its connection (a server the test kills)."""
-    result: dict = {}
-
-    def run():
-        try:
-            result.update(fn())
-        except httpx.TransportError as e:
-            result["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t, result
 
 
 async def _hello_frame(cp: int, agent_name: str) -> tuple[bytes, object]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -14,6 +14,7 @@ import torch
 
 from trnd.engine.request import SamplingParams
 from trnd.llm import LLM
+from trnd import parallel
 from trnd.parallel import TPGroup
 
 from .procs import alive, children, start_serve, wait_ready
@@ -81,26 +82,8 @@ def test_killed_rank_takes_the_role_down_with_no_orphans(tiny_qwen3, tmp_path):
             proc.kill()
 
 
-@dataclass(frozen=True)
-class RecordingTP(TPGroup):
-    """Rank 0 of two, with collectives that log whether they make rank 0 wait for the other rank (gloo returns
-    at once from one over zero elements) instead of talking to it; their values are not the point here."""
-    log: list = field(default_factory=list)
-
-    def all_reduce(self, x):
-        self.log.append(("waits", x.numel() > 0))
-        return x
-
-    def all_gather_last(self, x):
-        self.log.append(("waits", x.numel() > 0))
-        return torch.cat([x] * self.size, dim=-1)
-
-    def barrier(self):
-        self.log.append(("waits", True))
-
-
 @pytest.mark.parametrize("sampled", ["none", "the chunk's last row"])
-def test_every_ranks_kv_write_is_waited_for_before_the_forward_returns(tiny_qwen3, sampled):
+def test_every_ranks_kv_write_is_waited_for_before_the_forward_returns(tiny_qwen3, sampled, monkeypatch):
     """The prefill role ships a chunk's pages as soon as rank 0's forward returns, so that forward must not
     return before the other ranks wrote their heads' K/V: some collective that waits must follow every layer's
     K/V write. A first chunk has no sampled row and its last layer stops right after the write (the case that
@@ -108,11 +91,14 @@ def test_every_ranks_kv_write_is_waited_for_before_the_forward_returns(tiny_qwen
     from kernels.attention import AttnMeta, PrefillSeq
     from trnd.model.loader import load_model
 
-    tp = RecordingTP(0, 2)
-    model, cfg = load_model(tiny_qwen3, "float32", tp)
+    log = []  # rank 0 of two, its collectives logged with whether they make it wait (gloo's: not over nothing)
+    monkeypatch.setattr(parallel.dist, "all_reduce", lambda x: log.append(("waits", x.numel() > 0)))
+    monkeypatch.setattr(parallel.dist, "all_gather",
+                        lambda parts, x: [log.append(("waits", x.numel() > 0))] + [p.copy_(x) for p in parts])
+    monkeypatch.setattr(parallel.dist, "barrier", lambda: log.append(("waits", True)))
+    model, cfg = load_model(tiny_qwen3, "float32", TPGroup(0, 2))
     write_kv = model.layers[0].attn.ops.write_kv
-    ops = replace(model.layers[0].attn.ops,
-                  write_kv=lambda *a: (tp.log.append(("write_kv", None)), write_kv(*a))[1])
+    ops = replace(model.layers[0].attn.ops, write_kv=lambda *a: (log.append(("write_kv", None)), write_kv(*a))[1])
     for m in model.modules():
         if hasattr(m, "ops"):
             m.ops = ops
@@ -123,7 +109,7 @@ def test_every_ranks_kv_write_is_waited_for_before_the_forward_returns(tiny_qwen
     meta = AttnMeta(pages[pos // p], pos % p, 0, None, None, [PrefillSeq(0, n, n, pages)])
     rows = torch.tensor([] if sampled == "none" else [n - 1], dtype=torch.long)
     model(torch.randint(5, 100, (n,)), pos, kv, meta, rows)
-    writes = [i for i, (what, _) in enumerate(tp.log) if what == "write_kv"]
+    writes = [i for i, (what, _) in enumerate(log) if what == "write_kv"]
     assert len(writes) == cfg.num_layers
     for w in writes:
-        assert ("waits", True) in tp.log[w + 1:], f"nothing waits for the other rank after K/V write {w}: {tp.log}"
+        assert ("waits", True) in log[w + 1:], f"nothing waits for the other rank after K/V write {w}: {log}"

@@ -13,24 +13,26 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TPGroup:
+    """Every collective waits for every rank, over zero elements too (gloo returns from those at once, so a
+    barrier then): the collective after each layer's K/V write is what makes rank 0's forward return only once
+    every rank's pages hold the step's K/V, and the prefill role ships them right after it (roles/prefill.py).
+    A first chunk's last layer keeps no row, so there the LM head's gather of zero rows is that collective
+    (model/llama.py CausalLM._sampled_only)."""
     rank: int = 0
     size: int = 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x) if x.numel() else dist.barrier()
         return x
-
-    def barrier(self) -> None:
-        """Wait for every rank. An all-reduce or all-gather of zero elements returns at once under gloo, so it
-        does not stand in for one."""
-        if self.size > 1:
-            dist.barrier()
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x along the last dim (vocab-parallel logits)."""
         if self.size == 1:
             return x
+        if not x.numel():
+            dist.barrier()
+            return x.new_empty(*x.shape[:-1], x.shape[-1] * self.size)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)

@@ -4,6 +4,7 @@ ports and dialing a peer's, readiness, the child's death with its parent, the ex
 from __future__ import annotations
 
 import errno
+import functools
 import random
 import signal
 import socket
@@ -97,6 +98,7 @@ _handed_out: set[int] = set()
 _rng = random.SystemRandom()  # not the random module's state, which a forked child shares with its parent
 
 
+@functools.cache
 def _ephemeral_start() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
@@ -116,23 +118,15 @@ def free_port() -> int:
     whose /ready then answered for it."""
     top = _ephemeral_start()
     for _ in range(200):
-        if top > 12000:
-            port = _rng.randrange(10000, top)
-            if port in _handed_out:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", _rng.randrange(10000, top) if top > 12000 else 0))
+            except OSError:
                 continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-        else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port in _handed_out:
-                continue
-        _handed_out.add(port)
-        return port
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
     raise OSError(errno.EADDRINUSE, "no free loopback port found in 200 tries")
 
 

@@ -158,12 +158,6 @@ class CausalLM(nn.Module):
             keep, last = self._sampled_only(meta, sample_rows, ids.shape[0]), len(self.layers) - 1
             for i, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, cos, sin, kv, meta, keep if i == last else None)
-            if keep == []:
-                # Every layer's K/V write is followed by a collective (o_proj's all-reduce), so rank 0 returns
-                # only once every rank's pages hold this step's K/V: the prefill role ships them right after
-                # (roles/prefill.py). A last layer that keeps no row has no such collective after its write, and
-                # the LM head's all-gather of zero rows does not wait: wait here instead.
-                self.tp.barrier()
         if keep is None:
             x, residual = x[sample_rows], residual[sample_rows]
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
@@ -174,7 +168,9 @@ class CausalLM(nn.Module):
         chunk's rows other than a finishing prompt's last one feed nothing but the KV cache there, so its
         attention, o_proj and MLP (7% of a prefill's linears in the `small` model, one layer in twelve) are
         skipped for them, as llama.cpp skips the last layer's FFN for rows with no output. None: every row (a
-        decode-only step, the static path, a trace, or sample rows of another shape than `prepare` makes)."""
+        decode-only step, the static path, a trace, or sample rows of another shape than `prepare` makes). With
+        tp > 1 and no row kept, the LM head's gather of no rows is the collective that waits for the other ranks'
+        K/V writes (trnd/parallel.py)."""
         if not meta.prefill or meta.chunk_pages is not None or torch.compiler.is_compiling():
             return None
         rows = sample_rows.tolist()
