@@ -13,19 +13,19 @@ TEST_JOBS ?= 2
 
 .PHONY: serve test test-fast venv clean
 
-$(BIN)/.installed: pyproject.toml
+# The editable install runs the package build (setup.py's build_kernels: the compiled CPU kernels, as in the
+# wheel), here against the venv's torch rather than a second copy of it in an isolated build environment.
+$(BIN)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q torch==2.13.0 'setuptools>=77' ninja
+	$(BIN)/pip install -q --no-build-isolation -e '.[test]'
 	touch $@
 
-# The compiled CPU kernels (kernels/cpu/build.py), built once here, never at request time. cpp_extension needs
-# ninja: the system's where there is one, else the PyPI wheel into the venv.
+# After csrc/ changes: the same build again (ninja recompiles what changed), never at request time.
 KERNELS := kernels/cpu/build/.built
 $(KERNELS): $(BIN)/.installed $(wildcard kernels/cpu/csrc/*) kernels/cpu/build.py
-	command -v ninja >/dev/null || $(BIN)/pip install -q ninja
-	$(BIN)/python -m kernels.cpu.build
+	$(BIN)/python -m trnd_kernels.cpu.build
 	touch $@
 
 venv: $(BIN)/.installed $(KERNELS)

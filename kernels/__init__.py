@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from kernels import activation, attention, norm, rotary, sampling
+from trnd_kernels import activation, attention, norm, rotary, sampling
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8
+from trnd_kernels import fp8
 
 
 @dataclass

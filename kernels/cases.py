@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import AttnMeta, PrefillSeq, write_kv
+from trnd_kernels.attention import AttnMeta, PrefillSeq, write_kv
 
 
 def make_decode_case(ctxs, hq, hk, d, page_size, layers=2, dtype=torch.float32, seed=0, spare_pages=3):

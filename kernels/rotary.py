@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from kernels import norm
+from trnd_kernels import norm
 
 
 def inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -12,9 +12,9 @@ import types
 import pytest
 import torch
 
-from kernels import TORCH_OPS, norm
-from kernels import attention as twin_attention
-from kernels.cases import make_decode_case
+from trnd_kernels import TORCH_OPS, norm
+from trnd_kernels import attention as twin_attention
+from trnd_kernels.cases import make_decode_case
 from trnd import check
 from trnd.backends import Backend, BackendUnavailable, get_backend
 from trnd.backends import neuron as neuron_mod
@@ -28,7 +28,7 @@ def test_cpu_backend():
     b = get_backend("cpu")
     assert (b.name, b.device, b.available()) == ("cpu", "cpu", (True, ""))
     # the compiled kernels where they are built for this CPU (tests/test_cpu_kernels.py), else the torch twins
-    from kernels.cpu import cpu_ops
+    from trnd_kernels.cpu import cpu_ops
 
     assert b.ops is cpu_ops()
     # one table: every op compiled, or every op the torch reference
@@ -44,7 +44,7 @@ def test_importing_trnd_touches_no_sdk_and_no_cuda():
     code = ("import sys, torch, trnd, trnd.backends, trnd.backends.cpu, trnd.backends.cuda, "
             "trnd.backends.neuron, trnd.check\n"
             "loaded = [m for m in sys.modules if m.split('.')[0] in "
-            "('torch_neuronx', 'nki', 'neuronxcc', 'torch_xla') or m.startswith('kernels.nki')]\n"
+            "('torch_neuronx', 'nki', 'neuronxcc', 'torch_xla') or m.startswith('trnd_kernels.nki')]\n"
             "print(loaded, torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -147,7 +147,7 @@ def test_neuron_sdk_without_device(monkeypatch, tmp_path):
 # -- neuron: ops dispatch -------------------------------------------------------------------------------------
 
 def test_neuron_ops_swap_in_kernels_and_keep_twins():
-    from kernels.nki import decode_attention, prefill_attention, rmsnorm, rotary
+    from trnd_kernels.nki import decode_attention, prefill_attention, rmsnorm, rotary
 
     ops = NeuronBackend().ops  # composing ops imports kernels.nki, which imports without the SDK
     assert ops.rms_norm is rmsnorm.rms_norm and ops.add_rms_norm is rmsnorm.add_rms_norm
@@ -158,7 +158,7 @@ def test_neuron_ops_swap_in_kernels_and_keep_twins():
 
 def test_neuron_ops_use_the_twin_outside_the_kernel_constraints():
     """Shapes a kernel refuses go to the twin (so this runs here, on the CPU, without the SDK)."""
-    from kernels.nki import SDKMissing
+    from trnd_kernels.nki import SDKMissing
 
     ops = NeuronBackend().ops
     x, w = torch.randn(3, 9000), torch.rand(9000)  # hidden > 8192: outside rms_norm's supports()
@@ -233,7 +233,7 @@ def test_compare_generation_plumbing(tiny_qwen3):
 
 def test_check_cases_are_inside_the_kernel_constraints():
     """So on a trn2 host `trnd check neuron` runs the NKI kernels, not their fallbacks."""
-    from kernels.nki import decode_attention, prefill_attention, rmsnorm, rotary
+    from trnd_kernels.nki import decode_attention, prefill_attention, rmsnorm, rotary
 
     for dtype in (torch.bfloat16, torch.float32):
         for name, op, args in check.kernel_cases(dtype):

@@ -4,7 +4,7 @@ measures neither server as its operator would run it."""
 
 import pytest
 
-from kernels.cpuinfo import cpu_info
+from trnd_kernels.cpuinfo import cpu_info
 from trnd.bench.servers import Ctx, make_server, peer_dtype
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import TORCH_OPS
-from kernels import cpu as kcpu
+from trnd_kernels import TORCH_OPS
+from trnd_kernels import cpu as kcpu
 from tests.test_cpu_kernels import BUILDS
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]

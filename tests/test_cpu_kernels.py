@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 
-from kernels import TORCH_OPS, attention
-from kernels import cpu as kcpu
-from kernels.attention import AttnMeta, PrefillSeq
-from kernels.cpuinfo import cpu_info
-from kernels.cases import make_prefill_case
+from trnd_kernels import TORCH_OPS, attention
+from trnd_kernels import cpu as kcpu
+from trnd_kernels.attention import AttnMeta, PrefillSeq
+from trnd_kernels.cpuinfo import cpu_info
+from trnd_kernels.cases import make_prefill_case
 
 HOST = cpu_info()
 HOST_LEVEL = ("default", "avx2", "avx512", "avx512_bf16").index(HOST.isa)
@@ -386,7 +386,7 @@ def test_other_dtypes_and_head_dims_fall_back_to_torch():
 
 def _chosen(env: dict) -> str:
     code = ("import logging, sys; logging.basicConfig(level='INFO', stream=sys.stdout, format='%(message)s')\n"
-            "from kernels.cpu import cpu_ops; from kernels import TORCH_OPS\n"
+            "from trnd_kernels.cpu import cpu_ops; from trnd_kernels import TORCH_OPS\n"
             "ops = cpu_ops(); print('TORCH' if ops is TORCH_OPS else ops.decode_attention.__self__.lib.__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                          timeout=120)
@@ -412,7 +412,7 @@ def test_the_build_follows_the_cpu_probe():
 
 
 def test_a_missing_build_is_reported_not_fatal(tmp_path, monkeypatch):
-    from kernels.cpu import build
+    from trnd_kernels.cpu import build
 
     monkeypatch.setattr(build, "BUILD", tmp_path)
     lib, why = kcpu.load_library("trnd_avx2")
@@ -437,7 +437,7 @@ def test_the_builds_here_are_from_these_sources(tmp_path):
     file (a header too) or to the flags changes the digest."""
     import shutil
 
-    from kernels.cpu import build
+    from trnd_kernels.cpu import build
 
     for name in ("trnd_avx2", "trnd_avx512"):
         assert build.digest_path(name).read_text() == build.source_digest(name)
@@ -461,7 +461,7 @@ def test_a_build_this_cpu_cannot_run_is_refused_not_loaded(monkeypatch):
 
 
 def test_building_loads_nothing():
-    """`python -m kernels.cpu.build` compiles every variant on every host, so it must not load them: before,
+    """`python -m trnd_kernels.cpu.build` compiles every variant on every host, so it must not load them: before,
     it died of SIGILL on an AVX2-only CPU right after building the AVX-512 library (make venv failed there).
     The builds are up to date here (make venv), so ninja has nothing to do and this is quick."""
     code = ("import torch\nfrom kernels.cpu import build\n"

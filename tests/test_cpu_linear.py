@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu as kcpu
-from kernels.cpuinfo import CpuInfo, cpu_info
+from trnd_kernels import cpu as kcpu
+from trnd_kernels.cpuinfo import CpuInfo, cpu_info
 from trnd.model.layers import Linear, PackedLinear, Source
 from trnd.parallel import TP1
 

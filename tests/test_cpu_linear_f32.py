@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from kernels import cpu as kcpu
-from kernels.cpuinfo import cpu_info
+from trnd_kernels import cpu as kcpu
+from trnd_kernels.cpuinfo import cpu_info
 from trnd.model.layers import Linear, PackedLinear, Source
 from trnd.parallel import TP1
 

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from kernels import cpuinfo
+from trnd_kernels import cpuinfo
 from trnd.backends.cpu import CPUBackend
 from tests.procs import free_port, stop
 

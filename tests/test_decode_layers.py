@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.cpu import cpu_ops
+from trnd_kernels.cpu import cpu_ops
 from trnd.engine.request import SamplingParams
 from trnd.llm import LLM
 from trnd.model.maker import make_model

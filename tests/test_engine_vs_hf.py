@@ -87,7 +87,7 @@ def test_preemption_recomputes_to_identical_output(tiny_model, oracle):
 
 
 def test_logits_match_transformers_within_tolerance(tiny_model):
-    from kernels.attention import AttnMeta, PrefillSeq
+    from trnd_kernels.attention import AttnMeta, PrefillSeq
     from trnd.model.loader import load_model
 
     model, cfg = load_model(tiny_model, "float32")
@@ -108,7 +108,7 @@ def test_last_layer_runs_only_the_sampled_rows(tiny_model):
     sampled): the last layer attends and runs its MLP for the one sampled row only, every row's K/V still goes
     into the pool, and that row's logits are transformers' (the K/V the next chunk reads, too: the second
     prompt's next chunk is checked against transformers as well)."""
-    from kernels.attention import AttnMeta, PrefillSeq
+    from trnd_kernels.attention import AttnMeta, PrefillSeq
     from trnd.model.loader import load_model
 
     model, cfg = load_model(tiny_model, "float32")

@@ -11,8 +11,8 @@ import uuid
 import pytest
 import torch
 
-from kernels import fp8
-from kernels.attention import AttnMeta, _gather, write_kv
+from trnd_kernels import fp8
+from trnd_kernels.attention import AttnMeta, _gather, write_kv
 from trnd.cache.host import HostTier
 from trnd.engine.request import SamplingParams
 from trnd.llm import LLM

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import attention, norm, rotary
-from kernels.mirrors import decode_attention as m_decode
-from kernels.mirrors import prefill_attention as m_prefill
-from kernels.mirrors import rmsnorm as m_norm
-from kernels.mirrors import rotary as m_rotary
-from kernels.nki import decode_attention as k_decode
-from kernels.nki import prefill_attention as k_prefill
-from kernels.nki import rmsnorm as k_norm
-from kernels.nki import rotary as k_rotary
-from kernels.cases import make_decode_case, make_prefill_case
+from trnd_kernels import attention, norm, rotary
+from trnd_kernels.mirrors import decode_attention as m_decode
+from trnd_kernels.mirrors import prefill_attention as m_prefill
+from trnd_kernels.mirrors import rmsnorm as m_norm
+from trnd_kernels.mirrors import rotary as m_rotary
+from trnd_kernels.nki import decode_attention as k_decode
+from trnd_kernels.nki import prefill_attention as k_prefill
+from trnd_kernels.nki import rmsnorm as k_norm
+from trnd_kernels.nki import rotary as k_rotary
+from trnd_kernels.cases import make_decode_case, make_prefill_case
 from trnd.check import kernel_cases
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}

@@ -207,12 +207,12 @@ def test_kernel_uses_only_documented_nki_api(path):
 
 @pytest.mark.parametrize("path", kernel_files(), ids=lambda p: p.name)
 def test_kernel_imports_the_current_namespace(path):
-    """Kernels take nl/nisa from kernels.nki (which imports `nki`), never the older neuronxcc.nki."""
+    """Kernels take nl/nisa from trnd_kernels.nki (which imports `nki`), never the older neuronxcc.nki."""
     tree = ast.parse(path.read_text())
     modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [m for m in modules if m and m.startswith("neuronxcc")]
-    assert "kernels.nki" in modules
+    assert "trnd_kernels.nki" in modules
 
 
 def test_package_imports_nki_namespace():

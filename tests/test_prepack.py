@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpuinfo import cpu_info, onednn_fp32_prepack
+from trnd_kernels.cpuinfo import cpu_info, onednn_fp32_prepack
 from trnd.engine.request import SamplingParams
 from trnd.llm import LLM
 from trnd.model.layers import Linear, Source, _can_prepack

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import sampling as K
+from trnd_kernels import sampling as K
 from trnd.engine.request import Req, SamplingParams
 from trnd.engine.sampler import Sampler, SampleOut
 

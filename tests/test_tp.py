@@ -88,7 +88,7 @@ def test_every_ranks_kv_write_is_waited_for_before_the_forward_returns(tiny_qwen
     return before the other ranks wrote their heads' K/V: some collective that waits must follow every layer's
     K/V write. A first chunk has no sampled row and its last layer stops right after the write (the case that
     shipped a stale last layer from a tp=2 prefill under load)."""
-    from kernels.attention import AttnMeta, PrefillSeq
+    from trnd_kernels.attention import AttnMeta, PrefillSeq
     from trnd.model.loader import load_model
 
     log = []  # rank 0 of two, its collectives logged with whether they make it wait (gloo's: not over nothing)

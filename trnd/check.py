@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import TORCH_OPS
-from kernels.attention import AttnMeta, PrefillSeq
-from kernels.cases import make_decode_case, make_prefill_case
+from trnd_kernels import TORCH_OPS
+from trnd_kernels.attention import AttnMeta, PrefillSeq
+from trnd_kernels.cases import make_decode_case, make_prefill_case
 from trnd.backends import NAMES, Backend, BackendUnavailable, get_backend
 
 EX_UNAVAILABLE = 69
@@ -71,7 +71,7 @@ def kernel_cases(dtype):
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
-    from kernels.rotary import cos_sin, inv_freq
+    from trnd_kernels.rotary import cos_sin, inv_freq
 
     cases = []
     for n, h in ((1, 256), (130, 512)):

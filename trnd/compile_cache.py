@@ -75,7 +75,7 @@ def describe(engine, point, backend: str, graphs: list | None = None) -> CacheMa
     """The manifest this engine's graphs would have."""
     import torch
 
-    from kernels.cpuinfo import cpu_info
+    from trnd_kernels.cpuinfo import cpu_info
     from trnd.model.config import fingerprint
 
     p = point

@@ -20,8 +20,8 @@ from functools import lru_cache
 
 import torch
 
-from kernels import TORCH_OPS, Ops, activation, attention, norm, rotary, sampling
-from kernels.cpuinfo import LEVELS, CpuInfo, cpu_info, hardware_isa
+from trnd_kernels import TORCH_OPS, Ops, activation, attention, norm, rotary, sampling
+from trnd_kernels.cpuinfo import LEVELS, CpuInfo, cpu_info, hardware_isa
 
 log = logging.getLogger("trnd.kernels")
 
@@ -42,7 +42,7 @@ ROWS_MAX_CTX = 1024
 # (csrc/prefill_amx.cpp, csrc/prefill_dpbf16.cpp, csrc/prefill_f32.cpp): contexts whose copy would be larger go to
 # torch's flash kernel.
 AMX_MAX_LAYOUT_BYTES = 64 * 2**20
-# The fp32 tiles prefill kernel against torch's flash kernel (`python -m kernels.cpu.bench_prefill`, AMD Zen 4, the
+# The fp32 tiles prefill kernel against torch's flash kernel (`python -m trnd_kernels.cpu.bench_prefill`, AMD Zen 4, the
 # `small` model's 12 layers, 512 queries): the AVX-512 build 1.0-1.9x at every cached prefix up to 3584; the AVX2
 # build (flash at ATen's AVX2) 1.15-1.68x while the prefix is at most the chunk, 0.86-0.93x past it (flash's blocked
 # GEMMs win the square part; ours, the causal triangle it skips). Past this prefix/chunk ratio the AVX2 build
@@ -71,7 +71,7 @@ def amx_usable(info: CpuInfo, name: str, lib) -> bool:
 def runs_here(variant: str) -> str:
     """"" if this CPU can run a build of `variant` (build.VARIANTS), else why not: loading one it cannot run
     dies of SIGILL at once (its op registration is compiled for that ISA too), with no Python error to catch."""
-    from kernels.cpu import build
+    from trnd_kernels.cpu import build
 
     need, have = build.REQUIRES[variant], hardware_isa()
     if LEVELS.index(have) >= LEVELS.index(need):
@@ -81,20 +81,20 @@ def runs_here(variant: str) -> str:
 
 def load_library(name: str) -> tuple[object | None, str]:
     """torch.ops.<name> with its ops loaded, or None and why not."""
-    from kernels.cpu import build
+    from trnd_kernels.cpu import build
 
     path, stamp = build.library_path(name), build.stamp_path(name)
     if why := runs_here(name):
         return None, why
     if not path.exists():
-        return None, f"{path} is not built (`python -m kernels.cpu.build` does, `make venv` runs it)"
+        return None, f"{path} is not built (`python -m trnd_kernels.cpu.build` does, `make venv` runs it)"
     built_for = stamp.read_text().strip() if stamp.exists() else "an unknown torch"
     if built_for != torch.__version__:
         return None, f"{path} was built for torch {built_for}, this is {torch.__version__}: rebuild it"
     digest = build.digest_path(name)
     if build.SRC.is_dir() and (not digest.exists() or digest.read_text().strip() != build.source_digest(name)):
         return None, (f"{path} was built from other sources than {build.SRC} (changed since): rebuild it "
-                      "(`python -m kernels.cpu.build`; `make venv` does)")
+                      "(`python -m trnd_kernels.cpu.build`; `make venv` does)")
     try:
         torch.ops.load_library(str(path))
     except OSError as e:
@@ -339,7 +339,7 @@ def linear_f32_lib():
     if lib is None:
         return None
     if not hasattr(lib, "linear_f32"):  # a build of sources older than csrc/linear_f32.cpp (`make venv` rebuilds)
-        log.info("cpu kernels: %s has no linear_f32 (an older build: `python -m kernels.cpu.build`)", lib.__name__)
+        log.info("cpu kernels: %s has no linear_f32 (an older build: `python -m trnd_kernels.cpu.build`)", lib.__name__)
         return None
     return lib
 

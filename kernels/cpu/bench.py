@@ -1,6 +1,6 @@
 """Microbenchmark: the compiled CPU kernels vs their torch references, one layer's call at a time.
 
-    python -m kernels.cpu.bench [--batch 16] [--ctx 512 1024] [--dtype float32 bfloat16] [--layers 12]
+    python -m trnd_kernels.cpu.bench [--batch 16] [--ctx 512 1024] [--dtype float32 bfloat16] [--layers 12]
 
 Shapes default to the `small` checkpoint (12 query heads, 4 KV heads, head_dim 64, page 16). Prints the
 CPU model and flags first; each time is the fastest of --iters calls (other sessions share the cores: they
@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from kernels import attention
-from kernels.attention import AttnMeta, PrefillSeq
-from kernels.cpu import amx_usable, compiled, load_library
-from kernels.cpuinfo import cpu_info
+from trnd_kernels import attention
+from trnd_kernels.attention import AttnMeta, PrefillSeq
+from trnd_kernels.cpu import amx_usable, compiled, load_library
+from trnd_kernels.cpuinfo import cpu_info
 
 
 def _time(fn, iters: int) -> float:
@@ -39,7 +39,7 @@ def _pool(b: int, ctx: int, hk: int, p: int, d: int, dt, layers: int = 2):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m kernels.cpu.bench")
+    ap = argparse.ArgumentParser(prog="python -m trnd_kernels.cpu.bench")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 1024],
                     help="decode contexts, and the cached prefix of each prefill chunk (0: none, prefill only)")

@@ -1,7 +1,7 @@
 """Microbenchmark: the model's linears as a decode step streams them, ours (csrc/linear.cpp for bf16,
 csrc/linear_f32.cpp for fp32) vs oneDNN's prepacked matmul vs F.linear.
 
-    python -m kernels.cpu.bench_linear [--rows 1 4 16 64 512] [--layers 12] [--dtype bfloat16|float32]
+    python -m trnd_kernels.cpu.bench_linear [--rows 1 4 16 64 512] [--layers 12] [--dtype bfloat16|float32]
                                        [--build trnd_avx2|trnd_avx512]
 
 The `small` checkpoint's shapes (per layer qkv 1280x768, o 768x768, gate_up 4096x768, down 768x2048; the LM head
@@ -21,15 +21,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import load_library, variant_for
-from kernels.cpuinfo import cpu_info
+from trnd_kernels.cpu import load_library, variant_for
+from trnd_kernels.cpuinfo import cpu_info
 
 LAYER = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]
 HEAD = (32000, 768)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.cpu.bench_linear")
+    ap = argparse.ArgumentParser(prog="python -m trnd_kernels.cpu.bench_linear")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--iters", type=int, default=10)

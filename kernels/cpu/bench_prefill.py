@@ -1,7 +1,7 @@
 """Microbenchmark: fp32 prefill attention, ours (csrc/prefill_f32.cpp) vs torch's flash kernel (the fallback, with
 the context gathered out of the pages as kernels/attention.py does).
 
-    python -m kernels.cpu.bench_prefill [--q-len 512] [--prior 0 1536] [--build trnd_avx2|trnd_avx512]
+    python -m trnd_kernels.cpu.bench_prefill [--q-len 512] [--prior 0 1536] [--build trnd_avx2|trnd_avx512]
 
 The `small` checkpoint's attention shape (12 query heads, 4 KV heads, head_dim 64), one chunk of --q-len queries
 after --prior cached tokens, over the 12 layers of one pool (pages shuffled over it, as in serving). Each figure is
@@ -18,16 +18,16 @@ import time
 
 import torch
 
-from kernels import attention
-from kernels.cases import make_prefill_case
-from kernels.cpu import load_library, variant_for
-from kernels.cpuinfo import cpu_info
+from trnd_kernels import attention
+from trnd_kernels.cases import make_prefill_case
+from trnd_kernels.cpu import load_library, variant_for
+from trnd_kernels.cpuinfo import cpu_info
 
 HQ, HK, D, LAYERS, PAGE = 12, 4, 64, 12, 16
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.cpu.bench_prefill")
+    ap = argparse.ArgumentParser(prog="python -m trnd_kernels.cpu.bench_prefill")
     ap.add_argument("--q-len", type=int, default=512)
     ap.add_argument("--prior", type=int, nargs="+", default=[0, 1536])
     ap.add_argument("--iters", type=int, default=5)

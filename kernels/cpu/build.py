@@ -1,4 +1,6 @@
-"""Build the compiled CPU kernels once, at install (`make venv` runs `python -m kernels.cpu.build`).
+"""Build the compiled CPU kernels once, at install: the package build runs it (setup.py's build_kernels, for
+`pip install`, `pip wheel`, `python -m build` and `make venv`'s editable install), and `python -m
+trnd_kernels.cpu.build` runs it again in a checkout after csrc/ changed.
 
 The sources (csrc/*.cpp), one shared library per ISA level, each registering its ops in its own
 namespace (torch.ops.trnd_avx2, torch.ops.trnd_avx512) so both can be loaded in one process (the tests
@@ -8,7 +10,7 @@ and is loaded only where kernels/cpuinfo.py finds AVX-512 (kernels/cpu/__init__.
 never loads what it built, since even the op registration that runs at load is compiled for the variant's
 ISA (gcc vectorises torch's schema inference with zmm registers: SIGILL on an AVX2-only CPU).
 
-Each library lands in kernels/cpu/build/<name>/ with a stamp of the torch version it was built against and a
+Each library lands in kernels/cpu/build/<name>/ (in a wheel: trnd_kernels/cpu/build/<name>/) with a stamp of the torch version it was built against and a
 digest of the sources and flags it was built from; kernels/cpu/__init__.py loads nothing whose stamps do not
 match (the C++ ABI is torch's; a build from older sources would run old code, or lack an op, without a word).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import platform
 import shutil
 import sys
 import time
@@ -61,6 +64,55 @@ def source_digest(variant: str, src: Path = SRC) -> str:
     return h.hexdigest()[:16]
 
 
+class BuildError(RuntimeError):
+    """The kernels cannot be built here: one line saying why (the package build fails with it)."""
+
+
+def compiler_missing() -> str:
+    """"" where torch's cpp_extension finds a C++ compiler ($CXX, else c++), else why not."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx.split()[0]) is None:
+        return (f"no C++ compiler ({'$CXX=' + cxx if 'CXX' in os.environ else 'c++'} not found): install g++ "
+                "(Debian: apt-get install g++) to build trnd's CPU kernels")
+    return ""
+
+
+def is_current(d: Path, name: str) -> bool:
+    """d holds a build of `name` made from these sources and flags for the torch running this."""
+    import torch
+
+    so, stamp, digest = d / f"{name}.so", d / "torch_version", d / "source_digest"
+    return (so.exists() and stamp.exists() and digest.exists() and stamp.read_text().strip() == torch.__version__
+            and digest.read_text().strip() == source_digest(name))
+
+
+def build_into(dest: Path, work: Path | None = None, verbose: bool = False) -> list[Path]:
+    """Every variant's library and stamps into dest/<name>/ (a wheel's trnd_kernels/cpu/build): copied from the
+    checkout's build where that one is current (is_current: same sources, flags and torch, so the same bytes
+    compile again), else compiled in work/<name> (ninja's objects stay there, out of the wheel). Raises
+    BuildError where nothing can be compiled; x86-64 only (the variants are x86 ISA levels)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        print(f"trnd_kernels.cpu.build: {platform.machine()} is not x86-64; no CPU kernels (the torch ops run)")
+        return []
+    out = []
+    for name in VARIANTS:
+        src_dir = BUILD / name
+        if not is_current(src_dir, name):
+            if why := compiler_missing():
+                raise BuildError(why)
+            t = time.monotonic()
+            src_dir = (work or BUILD) / name
+            build(name, verbose=verbose, out=src_dir)
+            print(f"trnd_kernels.cpu.build: compiled {name} ({time.monotonic() - t:.0f} s)")
+        d = dest / name
+        if d.resolve() != src_dir.resolve():
+            d.mkdir(parents=True, exist_ok=True)
+            for f in (f"{name}.so", "torch_version", "source_digest"):
+                shutil.copy2(src_dir / f, d / f)
+        out.append(d / f"{name}.so")
+    return out
+
+
 def build(name: str, verbose: bool = False, variant: str | None = None, src: Path = SRC,
           out: Path | None = None) -> Path:
     """Compile VARIANTS[variant or name] from src into out (default BUILD/name) as ops in torch.ops.<name>.
@@ -86,19 +138,21 @@ def build(name: str, verbose: bool = False, variant: str | None = None, src: Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.cpu.build", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m trnd_kernels.cpu.build", description=__doc__.splitlines()[0])
     ap.add_argument("--clean", action="store_true", help="remove earlier builds first")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        print("kernels.cpu.build: no C++ compiler (g++); the engine will use the torch ops", file=sys.stderr)
-        return 0
+    if why := compiler_missing():
+        print(f"trnd_kernels.cpu.build: {why}", file=sys.stderr)
+        return 1
     if args.clean:
         shutil.rmtree(BUILD, ignore_errors=True)
-    for name in VARIANTS:
-        t = time.monotonic()
-        path = build(name, verbose=args.verbose)
-        print(f"kernels.cpu.build: {path} ({time.monotonic() - t:.0f} s)")
+    try:
+        for path in build_into(BUILD, verbose=args.verbose):
+            print(f"trnd_kernels.cpu.build: {path}")
+    except BuildError as e:
+        print(f"trnd_kernels.cpu.build: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.mirrors import PMAX
+from trnd_kernels.mirrors import PMAX
 
 F32 = np.float32
 MASK = F32(-30000.0)

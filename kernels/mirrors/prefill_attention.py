@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.mirrors import PMAX
-from kernels.mirrors.decode_attention import attend
+from trnd_kernels.mirrors import PMAX
+from trnd_kernels.mirrors.decode_attention import attend
 
 F32 = np.float32
 

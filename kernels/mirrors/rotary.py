@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.mirrors import PMAX
+from trnd_kernels.mirrors import PMAX
 
 F32 = np.float32
 

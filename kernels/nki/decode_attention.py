@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attention
-from kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
+from trnd_kernels import attention
+from trnd_kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
 
 MASK = -30000.0  # added to scores of slots >= ctx
 NEG_INIT = -1.0e30  # running max before the first block (finite: exp(NEG_INIT - m) is 0, never NaN)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attention
-from kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
-from kernels.nki.decode_attention import attend, block_pages, load_transposed
+from trnd_kernels import attention
+from trnd_kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
+from trnd_kernels.nki.decode_attention import attend, block_pages, load_transposed
 
 
 def supports(q_shape, kv_shape, num_pages: int, dtype) -> bool:

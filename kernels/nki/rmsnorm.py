@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import norm
-from kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
+from trnd_kernels import norm
+from trnd_kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
 
 # Free-dim budget per partition (SBUF has 192 KiB per partition on trn2): x, residual sum, y, out and the
 # weight tile, 5 * 4 * H bytes in fp32 = 160 KiB at H = 8192 (half that in bf16).

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import rotary
-from kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
+from trnd_kernels import rotary
+from trnd_kernels.nki import FLOAT_DTYPES, PMAX, dtype_name, jit, launch, nisa, nl
 
 # heads * head_dim per partition: x, out and two half-width product tiles are 3 * 4 * 8192 B = 96 KiB in fp32,
 # half of SBUF's 192 KiB per partition, leaving room for the compiler to double-buffer token tiles.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from kernels import TORCH_OPS, Ops
+from trnd_kernels import TORCH_OPS, Ops
 
 
 class BackendUnavailable(RuntimeError):

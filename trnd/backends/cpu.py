@@ -12,9 +12,9 @@ log line).
 
 from functools import cached_property
 
-from kernels import Ops
-from kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_f32_lib, linear_lib
-from kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack, onednn_fp32_prepack
+from trnd_kernels import Ops
+from trnd_kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_f32_lib, linear_lib
+from trnd_kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack, onednn_fp32_prepack
 from trnd.backends.base import Backend
 
 
@@ -24,7 +24,7 @@ class CPUBackend(Backend):
 
     @cached_property
     def ops(self) -> Ops:
-        from kernels.cpu import cpu_ops
+        from trnd_kernels.cpu import cpu_ops
 
         return cpu_ops()
 
@@ -58,8 +58,8 @@ def cpu_paths(dtype: str, why: str) -> dict[str, str]:
 
 
 def _attention_path() -> str:
-    from kernels import TORCH_OPS
-    from kernels.cpu import cpu_ops
+    from trnd_kernels import TORCH_OPS
+    from trnd_kernels.cpu import cpu_ops
 
     ops = cpu_ops()
     if ops is TORCH_OPS:

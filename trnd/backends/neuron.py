@@ -1,4 +1,4 @@
-"""Neuron backend: AWS Trainium through TorchNeuron (torch-neuronx) with NKI kernels from kernels/nki/.
+"""Neuron backend: AWS Trainium through TorchNeuron (torch-neuronx) with NKI kernels from trnd_kernels/nki/.
 
 Nothing here imports the SDK at import time. `available()` imports it to tell the real SDK from the PyPI
 placeholders: PyPI's torch-neuronx 1.0, neuronx-cc 1.0.post1 and nki 0.0.1 install fine and raise
@@ -14,7 +14,7 @@ import importlib.metadata
 from dataclasses import replace
 from functools import cached_property
 
-from kernels import TORCH_OPS, Ops
+from trnd_kernels import TORCH_OPS, Ops
 from trnd.backends.base import Backend
 
 # (distribution, module): what the backend needs. torch-neuronx provides the "neuron" torch device and
@@ -70,9 +70,9 @@ class NeuronBackend(Backend):
     def ops(self) -> Ops:
         """The torch twins, with the NKI kernels swapped in; each kernel's entry falls back to its twin
         for shapes outside the kernel's supports()."""
-        from kernels.nki import decode_attention, prefill_attention, rmsnorm, rotary
+        from trnd_kernels.nki import decode_attention, prefill_attention, rmsnorm, rotary
 
-        from kernels import rotary as torch_rotary
+        from trnd_kernels import rotary as torch_rotary
 
         def qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin):  # no fused NKI kernel: the two NKI ones
             return torch_rotary.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, rmsnorm.rms_norm,

@@ -6,6 +6,6 @@ import os
 
 def cpu_line() -> str:
     """The CPU, its relevant flags and ISA level, printed beside every benchmark's figures."""
-    from kernels.cpuinfo import cpu_info
+    from trnd_kernels.cpuinfo import cpu_info
 
     return f"cpu: {cpu_info().summary()}; {os.cpu_count()} cores"

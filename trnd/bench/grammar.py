@@ -16,7 +16,7 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
 
 
 def main(args) -> int:
-    from kernels.cpuinfo import cpu_info
+    from trnd_kernels.cpuinfo import cpu_info
     from trnd.bench.engine import _prompts
     from trnd.llm import LLM
     from trnd.model.maker import resolve_model

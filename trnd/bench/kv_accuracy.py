@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kernels.attention import AttnMeta, PrefillSeq
+from trnd_kernels.attention import AttnMeta, PrefillSeq
 from trnd.engine.runner import alloc_kv
 from trnd.model.loader import load_model
 

@@ -27,7 +27,7 @@ DEFAULT_SERVERS = ("trnd-agg", "trnd-disagg", "vllm")
 
 
 def machine_facts() -> dict:
-    from kernels.cpuinfo import cpu_info
+    from trnd_kernels.cpuinfo import cpu_info
 
     mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith("MemTotal")), 0)

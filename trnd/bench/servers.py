@@ -183,7 +183,7 @@ class Ctx:
 def peer_dtype() -> str:
     """vLLM at its own best dtype for this CPU: bf16 where the CPU computes bf16 natively (AVX-512 BF16 /
     AMX), float32 elsewhere (bf16 is emulated on an AVX2-only CPU, several times slower for both servers)."""
-    from kernels.cpuinfo import cpu_info
+    from trnd_kernels.cpuinfo import cpu_info
 
     return "bfloat16" if cpu_info().native_bf16 else "float32"
 
@@ -274,7 +274,7 @@ def kernel_problems(srv: Server) -> list[str]:
     """A trnd server whose processes logged that their compiled CPU kernels were not used (no build, or a build
     stale against the sources, e.g. kernels/cpu/csrc edited while the benchmark ran) measured the torch ops, not
     trnd as installed: its rows say so rather than pass as trnd's figures."""
-    from kernels.cpu import NOT_USED
+    from trnd_kernels.cpu import NOT_USED
 
     if not srv.key.startswith("trnd") or not srv.log.exists():
         return []

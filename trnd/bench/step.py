@@ -18,9 +18,9 @@ from dataclasses import replace
 
 import torch
 
-from kernels import TORCH_OPS, Ops
-from kernels.cpu import cpu_ops
-from kernels.cpuinfo import cpu_info
+from trnd_kernels import TORCH_OPS, Ops
+from trnd_kernels.cpu import cpu_ops
+from trnd_kernels.cpuinfo import cpu_info
 
 
 def _swap(model, ops: Ops) -> None:

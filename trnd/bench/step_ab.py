@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import CompiledOps, build, compiled, ops_table, runs_here
-from kernels.cpuinfo import cpu_info
+from trnd_kernels.cpu import CompiledOps, build, compiled, ops_table, runs_here
+from trnd_kernels.cpuinfo import cpu_info
 from trnd.bench.step import _swap, decode_batch
 
 CSRC = "kernels/cpu/csrc"

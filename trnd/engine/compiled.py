@@ -24,7 +24,7 @@ import time
 import torch
 import torch._inductor.config
 
-from kernels.attention import AttnMeta
+from trnd_kernels.attention import AttnMeta
 
 
 class CompiledDecode:

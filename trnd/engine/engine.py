@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import fp8
+from trnd_kernels import fp8
 from trnd.cache.budget import NodeBudget
 from trnd.config import compile_decode_conflict
 from trnd.cache.host import HostTier

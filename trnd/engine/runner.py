@@ -10,8 +10,8 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from kernels import fp8
-from kernels.attention import AttnMeta, PrefillSeq
+from trnd_kernels import fp8
+from trnd_kernels.attention import AttnMeta, PrefillSeq
 from trnd.engine.request import Req
 from trnd.engine.scheduler import Batch
 from trnd.model.config import ModelConfig

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import sampling as K
+from trnd_kernels import sampling as K
 from trnd.engine.request import Req, SamplingParams
 
 

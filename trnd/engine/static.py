@@ -29,7 +29,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from kernels.attention import AttnMeta
+from trnd_kernels.attention import AttnMeta
 from trnd.engine.runner import ModelRunner, StepInputs
 from trnd.model.config import ModelConfig
 from trnd.points import DecodePoint, get_point

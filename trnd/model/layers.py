@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_f32_lib, linear_lib
-from kernels.cpuinfo import onednn_bf16_prepack, onednn_fp32_prepack
+from trnd_kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_f32_lib, linear_lib
+from trnd_kernels.cpuinfo import onednn_bf16_prepack, onednn_fp32_prepack
 from trnd.parallel import TPGroup
 
 

@@ -14,10 +14,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from kernels import Ops, fp8
-from kernels.attention import AttnMeta, PrefillSeq, chunk_attention
-from kernels.cpu import LINEAR_AMX_MIN_ROWS, MAX_PAGE
-from kernels.rotary import cos_sin, inv_freq
+from trnd_kernels import Ops, fp8
+from trnd_kernels.attention import AttnMeta, PrefillSeq, chunk_attention
+from trnd_kernels.cpu import LINEAR_AMX_MIN_ROWS, MAX_PAGE
+from trnd_kernels.rotary import cos_sin, inv_freq
 from trnd.model.config import ModelConfig
 from trnd.model.layers import LMHead, Linear, PackedLinear, RMSNorm, Source, VocabEmbedding
 from trnd.parallel import TPGroup

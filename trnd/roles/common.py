@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from kernels.fp8 import SCALE_BYTES
+from trnd_kernels.fp8 import SCALE_BYTES
 from trnd.backends import resolve_dtype
 from trnd.config import StartupError
 from trnd.engine.engine import Engine, EngineConfig
