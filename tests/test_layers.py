@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest floor first. A module imports its own room (the longest prefix below that names it) or a room
 # on a lower floor; never one beside it or above it.
 FLOORS = [
-    ["kernels", "trnd", "trnd.aio", "trnd.log", "trnd.points", "trnd.parallel", "trnd.procs", "trnd.sampling_params",
+    ["trnd_kernels", "trnd", "trnd.aio", "trnd.log", "trnd.points", "trnd.parallel", "trnd.procs", "trnd.sampling_params",
      "trnd.snapshot"],
     ["trnd.config"],
     ["trnd.backends", "trnd.daemon", "trnd.transfer", "trnd.top"],
@@ -31,7 +31,7 @@ FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 ONLY = {
     "trnd.daemon": {"trnd.config", "trnd.log"},
     "trnd.top": {"trnd.snapshot"},
-    "trnd.backends": {"kernels"},
+    "trnd.backends": {"trnd_kernels"},
 }
 
 
@@ -41,6 +41,8 @@ def modules() -> dict[str, Path]:
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
+        if parts[0] == "kernels":  # the folder installs as trnd_kernels (setup.py's package_dir)
+            parts[0] = "trnd_kernels"
         found[".".join(parts)] = path
     return found
 
