@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _import_hugging_face_kernels() -> None:
+    """The checkout's kernels/ folder imports as trnd_kernels (setup.py), but pytest puts the checkout on
+    sys.path, where the folder would also answer `import kernels`: Hugging Face's package of that name, which
+    transformers imports, would find ours. Import theirs first, with the checkout off the path, so the name
+    is theirs for the whole session (installed trnd has no such name at all: tests/test_wheel.py)."""
+    root = Path(__file__).resolve().parents[1]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:
+        pass  # not installed: transformers then runs without it
+    finally:
+        sys.path[:] = saved
+    mod = sys.modules.get("kernels")
+    assert mod is None or not Path(mod.__file__ or "").resolve().is_relative_to(root / "kernels"), mod
+
+
+_import_hugging_face_kernels()
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,9 @@
 2. A short greedy generation through `trnd.llm.LLM(model, backend=...)` against the same on the CPU.
 Prints one line per comparison and PASS or FAIL. Exit status: 0 all matched, 1 a mismatch or an error,
 69 (EX_UNAVAILABLE) the backend cannot run here (the message says what to install).
+
+`trnd check cpu` prints the CPU and the paths chosen; it exits 1 where this CPU could run trnd's compiled
+kernels and they do not load (an install without them serves at about half the speed).
 """
 
 from __future__ import annotations
@@ -148,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="model dtype (default: the checkpoint's)")
     if argv[:1] == ["cpu"]:  # the CPU at hand: flags and the paths chosen (nothing to compare against)
-        from trnd.backends.cpu import report
+        from trnd.backends.cpu import kernels_status, report
 
         print("\n".join(report()))
-        return 0
+        # exit 1 where this CPU could run the compiled kernels and they do not load: the install is broken
+        return 1 if kernels_status().slow_path else 0
     args = p.parse_args(argv)
     try:
         backend = get_backend(args.backend)

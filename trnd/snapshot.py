@@ -197,6 +197,15 @@ class Integrity(_S):
     pages: Pages | None = None  # free, cached, in_use, total as the check counted them
 
 
+class Kernels(_S):
+    """An engine role's compiled CPU kernels (trnd_kernels/cpu): loaded, or why it runs the torch ops."""
+    loaded: bool = False
+    build: str | None = None  # trnd_avx2 | trnd_avx512: the build for this CPU
+    kind: str = ""  # loaded | off | unsupported | missing | stale | broken | other_torch
+    why: str = ""
+    slow_path: bool = False  # the CPU could run them and nobody turned them off: about half the speed
+
+
 # -- disaggregated roles --------------------------------------------------------------------------------
 
 class InFlight(_S):
@@ -313,6 +322,7 @@ class State(msgspec.Struct, kw_only=True, omit_defaults=True):
     capacity: Capacity | None = None
     static: Static | None = None
     integrity: Integrity | None = None
+    kernels: Kernels | None = None  # the CPU backend only
     # disaggregated roles (and the router: its targets are its peers)
     transfers: Transfers | None = None
     peers: list[Peer] | None = None

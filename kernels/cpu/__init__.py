@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -79,28 +79,43 @@ def runs_here(variant: str) -> str:
     return f"{variant} needs a CPU with {need}; this one is {have} ({cpu_info().model})"
 
 
-def load_library(name: str) -> tuple[object | None, str]:
-    """torch.ops.<name> with its ops loaded, or None and why not."""
+# Why a build did not load, by kind (KernelsStatus.kind). The first three are a CPU that could run compiled
+# kernels running the torch ops instead (the "slow path": a WARNING at start, /metrics, trnd check cpu fails);
+# a build for another torch is refused at start (a wheel installed beside the wrong torch: reinstall).
+MISSING, STALE, BROKEN, OTHER_TORCH = "missing", "stale", "broken", "other_torch"
+SLOW_PATH = (MISSING, STALE, BROKEN, OTHER_TORCH)
+
+
+def _load(name: str) -> tuple[object | None, str, str]:
+    """(torch.ops.<name> with its ops loaded, "", "loaded") or (None, why not, its kind)."""
     from trnd_kernels.cpu import build
 
     path, stamp = build.library_path(name), build.stamp_path(name)
     if why := runs_here(name):
-        return None, why
+        return None, why, "unsupported"
     if not path.exists():
-        return None, f"{path} is not built (`python -m trnd_kernels.cpu.build` does, `make venv` runs it)"
+        return None, (f"{path} is not built (the package build makes it: `pip install`, `make venv`; in a "
+                      "checkout `python -m trnd_kernels.cpu.build`)"), MISSING
     built_for = stamp.read_text().strip() if stamp.exists() else "an unknown torch"
     if built_for != torch.__version__:
-        return None, f"{path} was built for torch {built_for}, this is {torch.__version__}: rebuild it"
+        return None, (f"{path} was built for torch {built_for}, this is torch {torch.__version__}: install the trnd "
+                      f"built for this torch (or rebuild it)"), OTHER_TORCH
     digest = build.digest_path(name)
     if build.SRC.is_dir() and (not digest.exists() or digest.read_text().strip() != build.source_digest(name)):
         return None, (f"{path} was built from other sources than {build.SRC} (changed since): rebuild it "
-                      "(`python -m trnd_kernels.cpu.build`; `make venv` does)")
+                      "(`python -m trnd_kernels.cpu.build`; `make venv` does)"), STALE
     try:
         torch.ops.load_library(str(path))
     except OSError as e:
-        return None, f"{path} does not load ({e})"
+        return None, f"{path} does not load ({e})", BROKEN
     _register_fakes(name)
-    return getattr(torch.ops, name), ""
+    return getattr(torch.ops, name), "", "loaded"
+
+
+def load_library(name: str) -> tuple[object | None, str]:
+    """torch.ops.<name> with its ops loaded, or None and why not."""
+    lib, why, _ = _load(name)
+    return lib, why
 
 
 _FAKES: set[str] = set()
@@ -351,16 +366,45 @@ def linear_amx() -> bool:
     return lib is not None and "amx_bf16" in cpu_info().flags and lib.amx_ready()
 
 
+@dataclass(frozen=True)
+class KernelsStatus:
+    """Whether this process runs the compiled CPU kernels, and if not why: the start-up line, /metrics
+    (trnd:cpu_kernels_loaded), /admin/state, trnd top and `trnd check cpu` all say the same."""
+    build: str | None  # the build for this CPU: trnd_avx2 | trnd_avx512 (None: the CPU has no AVX2 + FMA)
+    kind: str  # loaded | off (TRND_CPU_KERNELS=0) | unsupported (the CPU) | one of SLOW_PATH
+    why: str = ""  # "" when loaded
+
+    @property
+    def loaded(self) -> bool:
+        return self.kind == "loaded"
+
+    @property
+    def slow_path(self) -> bool:
+        """A CPU that could run the compiled kernels runs the torch ops, and nobody asked for that."""
+        return self.kind in SLOW_PATH
+
+    def line(self) -> str:
+        if self.loaded:
+            return f"cpu kernels: {self.build}"
+        return f"{NOT_USED} ({self.why}); the torch ops run"
+
+
 @lru_cache(maxsize=1)
-def _cpu_build() -> tuple[object | None, str]:
-    """This CPU's build (variant_for) loaded, or None and why not: what cpu_ops and linear_f32_lib run."""
+def _cpu_build() -> tuple[object | None, KernelsStatus]:
+    """This CPU's build (variant_for) loaded, or None; and the status: what cpu_ops and linear_f32_lib run."""
     info = cpu_info()
     name = variant_for(info)
     if _turned_off():
-        return None, f"{ENV}=0"
+        return None, KernelsStatus(name, "off", f"{ENV}=0")
     if name is None:
-        return None, f"the CPU has no AVX2 + FMA ({info.summary()})"
-    return load_library(name)
+        return None, KernelsStatus(None, "unsupported", f"the CPU has no AVX2 + FMA ({info.summary()})")
+    lib, why, kind = _load(name)
+    return lib, KernelsStatus(name, kind, why)
+
+
+def kernels_status() -> KernelsStatus:
+    """Whether the compiled CPU kernels run in this process (loading them the first time)."""
+    return _cpu_build()[1]
 
 
 NOT_USED = "cpu kernels: not used"  # what a process that runs the torch ops logs (trnd/bench/servers.py reads it)
@@ -368,12 +412,14 @@ NOT_USED = "cpu kernels: not used"  # what a process that runs the torch ops log
 
 @lru_cache(maxsize=1)
 def cpu_ops() -> Ops:
-    """The CPU backend's table: the compiled kernels for this CPU where they load, else the torch ops."""
+    """The CPU backend's table: the compiled kernels for this CPU where they load, else the torch ops. A CPU
+    that could run them but runs the torch ops says so in one WARNING: the torch ops serve at about half the
+    speed (docs/RESULTS.md, "Installed vs checkout")."""
     info = cpu_info()
     name = variant_for(info)
-    lib, why = _cpu_build()
-    if why:
-        log.info("%s (%s); the torch ops run", NOT_USED, why)
+    lib, status = _cpu_build()
+    if not status.loaded:
+        (log.warning if status.slow_path else log.info)(status.line())
         return TORCH_OPS
     dpbf16 = info.isa == "avx512_bf16"
     amx = amx_usable(info, name, lib)

@@ -66,6 +66,9 @@ class Metrics:
                                         "found, not computed, by source: device (this server's prefix cache), host "
                                         "(L2), remote (L3 store), prefill (a prefill peer's prefix cache).",
                                         lbl + ["source"], registry=r)
+        self.kernels_loaded = Gauge("trnd:cpu_kernels_loaded", "1: this process runs trnd's compiled CPU kernels; "
+                                    "0: the torch ops (why: /admin/state kernels). CPU backend only.",
+                                    lbl + ["build"], registry=r)
         self.last: S.State | None = None  # the engine's State at the latest scrape (the cumulative counters below)
         self.role_stats: Callable[[], dict] | None = None  # a role's cumulative counters (prefill: its requests)
         r.register(_EngineCounters(self))
@@ -90,6 +93,8 @@ class Metrics:
             pg, rad = st.pages, st.radix
             self.kv_usage.labels(m).set((pg.total - pg.free - rad.evictable_pages) / max(1, pg.total))
             self._tiers(m, st.tiers)
+            if st.kernels is not None:
+                self.kernels_loaded.labels(m, st.kernels.build or "none").set(int(st.kernels.loaded))
         return generate_latest(self.registry) + loop.engine.xfer_metrics.render()
 
     def count_finished(self, out: StepOutput) -> None:

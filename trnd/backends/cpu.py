@@ -6,14 +6,14 @@ linears in our own kernel's layout wherever the compiled kernels run, bf16
 linears in our dpbf16 kernel's layout where the CPU has avx512_bf16 (on AMX tiles from 8 rows where it has
 those), else oneDNN prepacking
 where its bf16 reorder runs, the compiled kernels of kernels/cpu/ in the build for this
-CPU's ISA where they are built (else the torch twins in kernels/; kernels.cpu.cpu_ops says which in one
-log line).
+CPU's ISA where they are built (else the torch twins in kernels/; trnd_kernels.cpu.cpu_ops says which in one
+log line, a WARNING where this CPU could run them).
 """
 
 from functools import cached_property
 
 from trnd_kernels import Ops
-from trnd_kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_f32_lib, linear_lib
+from trnd_kernels.cpu import LINEAR_AMX_MIN_ROWS, kernels_status, linear_amx, linear_f32_lib, linear_lib
 from trnd_kernels.cpuinfo import RELEVANT, cpu_info, onednn_bf16_prepack, onednn_fp32_prepack
 from trnd.backends.base import Backend
 
@@ -94,4 +94,14 @@ def report() -> list[str]:
         f"bf16 linears: {bf16['linears']}",
         f"fp32 linears: {cpu_paths('float32', 'requested')['linears']}",
         f"attention:    {paths['attention']}",
+        f"kernels:      {kernels_line()}",
     ]
+
+
+def kernels_line() -> str:
+    k = kernels_status()
+    if k.loaded:
+        return f"compiled {k.build} loaded"
+    if k.slow_path:
+        return f"NOT LOADED: {k.why}; the torch ops run at about half the speed"
+    return f"not used: {k.why}"

@@ -16,7 +16,7 @@ import torch
 
 from trnd_kernels import fp8
 from trnd.cache.budget import NodeBudget
-from trnd.config import compile_decode_conflict
+from trnd.config import StartupError, compile_decode_conflict
 from trnd.cache.host import HostTier
 from trnd.cache.pages import PagePool
 from trnd.cache.radix import RadixCache
@@ -25,7 +25,7 @@ from trnd.engine.corelock import CoreLock
 from trnd.engine.output import OutputStream, StepOutput
 from trnd.engine.request import Req, SamplingParams
 from trnd.backends import get_backend, resolve_dtype
-from trnd.backends.cpu import cpu_paths, describe
+from trnd.backends.cpu import cpu_paths, describe, kernels_status
 from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes, prepare
 from trnd.engine.sampler import SampleOut, Sampler
 from trnd.engine import state, trace
@@ -108,6 +108,9 @@ class Engine:
     def __init__(self, cfg: EngineConfig):
         dtype, why = resolve_dtype(cfg.dtype, cfg.backend)
         cfg = self.cfg = dataclasses.replace(cfg, dtype=dtype)
+        self.kernels = kernels_status() if cfg.backend == "cpu" else None
+        if self.kernels is not None and self.kernels.kind == "other_torch":  # a wheel beside another torch
+            raise StartupError(f"{self.kernels.why} (TRND_CPU_KERNELS=0 runs the torch ops instead)")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         mc = ModelConfig.from_dir(cfg.model, cfg.dtype)

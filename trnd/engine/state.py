@@ -91,7 +91,14 @@ def engine_state(engine) -> S.State:
                         token_budget=engine.cfg.token_budget, chunk_size=engine.cfg.chunk_size),
         static=static_state(engine),
         integrity=engine.integrity,
+        kernels=kernels_state(engine.kernels),
     )
+
+
+def kernels_state(k) -> S.Kernels | None:
+    if k is None:
+        return None
+    return S.Kernels(loaded=k.loaded, build=k.build, kind=k.kind, why=k.why, slow_path=k.slow_path)
 
 
 def request_traces(engine, rid: str) -> list[S.Trace]:

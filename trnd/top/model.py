@@ -220,6 +220,8 @@ class NodeTrack:
             return f"peer {', '.join(bad)} unhealthy"
         if p.state.integrity is not None and not p.state.integrity.ok:
             return f"page pool check failed: {p.state.integrity.error}"
+        if p.state.kernels is not None and p.state.kernels.slow_path:
+            return "no compiled CPU kernels: torch ops"
         return ""
 
     def step_ms(self) -> float | None:

@@ -171,6 +171,9 @@ def node_info(t: NodeTrack, now: float) -> Content:
     ]
     if st.integrity is not None:
         lines.append(integrity_text(st.integrity))
+    if st.kernels is not None:
+        k = st.kernels
+        lines.append(f"cpu kernels {k.build}" if k.loaded else f"cpu kernels not used ({k.kind}): {k.why}")
     return Content("\n").join([head, *(Content(line) for line in lines)])
 
 
