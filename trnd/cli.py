@@ -220,6 +220,11 @@ def _bench_parser(sub) -> None:
     lc = bsub.add_parser("longctx", help="the long-context curve on the 1m point: prefill tok/s by context and the "
                                          "decode step there (tiny model, RoPE scaled to the point)")
     longctx.add_arguments(lc)
+    from trnd.bench import agentic
+
+    ag = bsub.add_parser("agentic", help="agent sessions at growing context (AgentX's shape) replayed against any "
+                                         "OpenAI server, or trnd and vLLM side by side")
+    agentic.add_arguments(ag)
     t = bsub.add_parser("tiers", help="multi-turn agentic replay: tiers off vs host L2 vs L2 + remote L3")
     t.add_argument("--model", default="small", help="model dir or preset (default small)")
     t.add_argument("--point", default="8k")

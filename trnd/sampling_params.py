@@ -33,6 +33,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     grammar: GrammarSpec | None = None  # structured output (engine/grammar.py)
+    priority: int = 0  # vLLM's field: lower is served first (engine/scheduler.py: admission, preemption)
 
     @property
     def greedy(self) -> bool:

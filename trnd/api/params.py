@@ -83,6 +83,8 @@ def to_sampling_params(req: P.ChatCompletionRequest | P.CompletionRequest, max_n
         raise invalid("repetition_penalty", f"repetition_penalty must be > 0, got {req.repetition_penalty}")
     if req.top_k is not None and req.top_k < -1:
         raise invalid("top_k", f"top_k must be -1 (off) or >= 0, got {req.top_k}")
+    if req.priority is not None and not INT64[0] <= req.priority < INT64[1]:
+        raise invalid("priority", f"priority must be a 64-bit signed integer, got {req.priority}")
     n = 1 if req.n is None else req.n
     if not 1 <= n <= max_n:
         raise invalid("n", f"n must be in [1, {max_n}], got {n}")
@@ -144,6 +146,7 @@ def to_sampling_params(req: P.ChatCompletionRequest | P.CompletionRequest, max_n
         logprobs=logprobs,
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
         logit_bias=logit_bias(req),
+        priority=req.priority or 0,
     )
     return params, n
 

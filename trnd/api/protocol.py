@@ -117,6 +117,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     structured_outputs: StructuredOutputs | None = None
     # trnd: requests of one conversation share a session (prefix-cache affinity, /admin/state)
     session_id: str | None = None
+    priority: int | None = None  # vLLM's: lower is scheduled first (engine/scheduler.py)
     # Declared so they are refused by name (check_rejected), never ignored.
     guided_json: object = None
     guided_regex: object = None

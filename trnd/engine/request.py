@@ -51,6 +51,7 @@ class Req:
         self.trail: list[tuple[float, str]] = []  # (wall clock, phase): engine/trace.py
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.overtaken = 0  # admissions of later, higher-priority requests ahead of it (scheduler's bound)
         self.handoffs = 0  # times its prompt KV was asked of a prefill peer (decode: retries on a lost peer)
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
@@ -78,6 +79,10 @@ class Req:
     def usage_open(self) -> bool:
         """cached_from still follows admissions (no token yet, never preempted)."""
         return self.num_output == 0 and self.num_preemptions == 0
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
 
     @property
     def num_output(self) -> int:

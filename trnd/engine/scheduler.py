@@ -3,7 +3,16 @@
 Each step: running requests first (decodes, then unfinished prefill chunks), then admissions from the
 waiting queue while the token budget, the batch limit and the free pages allow. Pages are checked,
 then committed; when they run out, cached-only pages are evicted from the radix cache, and after that
-the youngest running request is preempted (its KV released to the cache, recomputed later).
+the lowest-ranked running request is preempted: its full pages go to the radix cache, from there to L2
+when evicted (write-back), and at re-admission they are found on the device or loaded back from L2
+(engine/parked.py) instead of being recomputed; only its last partial page is recomputed.
+
+Priorities (vLLM's `priority` field, lower first): the waiting queue admits the best-ranked request,
+FCFS among equals (a preempted or requeued request keeps its place at the front); a waiting request
+that ranks above the worst running one while the batch is full or short of pages preempts it; the
+worst-ranked running request is the preemption victim. Bounded: a waiting request that later, better
+requests were admitted past `max_overtakes` times ranks above every priority, so a low priority still
+finishes. With one priority for all, this is the FCFS scheduler it was.
 No torch here: the scheduler decides, the runner computes.
 """
 
@@ -27,6 +36,7 @@ class SchedulerConfig:
     token_budget: int = 512  # tokens computed per step (decode tokens + prefill chunk tokens)
     chunk_size: int = 512  # prefill tokens of one request per step
     prefix_cache: bool = True
+    max_overtakes: int = 64  # admissions past a waiting request before it ranks above every priority
 
 
 @dataclass
@@ -114,6 +124,9 @@ class Scheduler:
             self.tiers.poll()
         if self.parked:
             self._advance_parked(batch)
+        self.running.sort(key=self._rank)  # stable: FCFS among equals; the worst last (the victim)
+        if self.waiting and self.running:
+            self._preempt_for(self._next_waiting(), batch)
         for req in list(self.running):
             if req not in self.running:  # preempted earlier in this loop to make room
                 continue
@@ -128,15 +141,15 @@ class Scheduler:
             else:
                 batch.decode.append(req)
         while self.waiting and budget > 0 and self.num_active < self.cfg.max_batch:
-            req = self.waiting[0]
+            req = self._next_waiting()
             if self._kv_from_peer(req):
                 admitted = self._admit(req, req.num_prompt, whole=True)  # all prompt pages, reserved up front
                 if admitted is None:  # parked on a host-tier copy
-                    self.waiting.popleft()
+                    self._take(req)
                     continue
                 if not admitted:
                     break
-                self.waiting.popleft()
+                self._take(req)
                 req.status = Status.RUNNING
                 job = self.peer(req)
                 if job is not None:
@@ -149,17 +162,49 @@ class Scheduler:
                 continue
             admitted = self._admit(req, budget)
             if admitted is None:  # parked on a lower tier
-                self.waiting.popleft()
+                self._take(req)
                 continue
             if not admitted:
                 break
-            self.waiting.popleft()
+            self._take(req)
             req.status = Status.RUNNING
             self.running.append(req)
             n = self._chunk(req, budget)
             budget -= n
             batch.prefill.append((req, n))
         return batch
+
+    # -- priorities -------------------------------------------------------------------------------------
+
+    def _rank(self, req: Req) -> tuple[int, int]:
+        """Lower is served first: its priority, or above every priority once passed max_overtakes times."""
+        return (0, 0) if req.overtaken >= self.cfg.max_overtakes else (1, req.priority)
+
+    def _next_waiting(self) -> Req:
+        """The best-ranked waiting request; among equals the first in the queue (min keeps the first)."""
+        return min(self.waiting, key=self._rank)
+
+    def _take(self, req: Req) -> None:
+        """Out of the queue; every request ahead of it ranks worse and was passed once more."""
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+            return
+        for other in self.waiting:
+            if other is req:
+                break
+            other.overtaken += 1
+        self.waiting.remove(req)
+
+    def _preempt_for(self, req: Req, batch: Batch) -> None:
+        """A waiting request that ranks above the worst running ones takes their place when the batch is
+        full or the pages its first chunk needs are not there (they go to the cache and L2, not lost)."""
+        need = -(-min(req.num_uncomputed, self.cfg.chunk_size) // self.cfg.page_size)
+        while self.running and self._rank(req) < self._rank(self.running[-1]) and (
+                self.num_active >= self.cfg.max_batch
+                or self.pool.num_free + self.radix.num_evictable_pages < need):
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch.preempted.append(victim)
 
     def _chunk(self, req: Req, budget: int) -> int:
         return min(req.num_uncomputed, budget, self.cfg.chunk_size)
@@ -177,7 +222,7 @@ class Scheduler:
     def _make_room(self, req: Req, n: int, batch: Batch) -> bool:
         need = self._pages_needed(req, n)
         while not self._reserve(need):
-            victim = self.running[-1]
+            victim = self.running[-1]  # the worst-ranked (running is sorted), never one already batched
             self.preempt(victim)
             batch.preempted.append(victim)
             if victim is req:
@@ -272,13 +317,14 @@ class Scheduler:
         return self.peer is not None and req.num_output == 0
 
     def preempt(self, req: Req) -> None:
-        """Recompute later: release the KV (to the cache, where it may still be found) and requeue first."""
+        """Release the KV to the cache (the device radix, L2 once evicted: found there at re-admission,
+        not recomputed) and requeue first."""
         self.running.remove(req)
+        trace.phase(req, f"preempted (KV of {req.num_computed} tokens to the prefix cache)")
         self._release(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
-        trace.phase(req, f"preempted (KV of {req.num_tokens} tokens to be recomputed)")
 
     def _release(self, req: Req) -> None:
         if req.pages and self.cfg.prefix_cache:
