@@ -35,6 +35,17 @@ log = logging.getLogger("trnd.nixl")
 PROGRESS_DELAY_US = 20_000
 _make_lock = threading.Lock()
 
+# UCX modules not loaded (UCX_MODULES, a UCS option; an operator's own value wins). The wheel's UCX links its
+# EFA transport (ucx/libuct_ib_efa) against the host's libefa.so.1, which rdma-core provides and which brings
+# the host's libibverbs and libnl-route-3 into a process that already maps the wheel's own copies of both.
+# libnl-route's constructors then register their traffic-control ops through one copy and its destructors
+# unregister them through the other: every process with an agent died with SIGSEGV in rtnl_tc_unregister
+# at exit (`trnd serve` exit 139 on every stop, a core dump per unit stop) wherever rdma-core is installed,
+# i.e. on every EFA host. Without the efa module one copy of each is loaded; UCX's verbs transports (the
+# wheel's libibverbs and mlx5 provider), TCP, shared memory and CMA are unchanged (docs/DEPLOY.md, "RDMA
+# libraries on the host").
+UCX_MODULES_DEFAULT = "^efa"
+
 
 def interface_of(host: str) -> str | None:
     """The network interface that holds `host`'s address ("lo" for loopback); None for a wildcard
@@ -81,6 +92,7 @@ def bind_for(listen_host: str | None, peers: list[str] = ()) -> None:
 
 
 def _nixl_agent(name: str):
+    os.environ.setdefault("UCX_MODULES", UCX_MODULES_DEFAULT)  # read when UCX loads, with the first agent
     import nixl._api as api
 
     base = api.nixlBind.nixlAgentConfig
