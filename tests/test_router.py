@@ -154,12 +154,32 @@ def test_sigkill_of_one_server_moves_its_sessions_without_5xx(tiny_qwen3, tmp_pa
             s.stop()
 
 
-def test_router_api_key(backends):
-    proc, port = start_router([f"127.0.0.1:{s.port}" for s in backends], "--api-key", "k1")
+def test_router_api_key_and_reload(backends, tmp_path):
+    """The router's life is every role's (daemon/lifecycle.py): SIGHUP re-reads its config and applies the
+    key and the targets live, /health follows its event loop, SIGTERM drains and exits 0."""
+    addrs = [f"127.0.0.1:{s.port}" for s in backends]
+    conf = tmp_path / "router.toml"
+    conf.write_text(f'api_key = "k1"\ntargets = {addrs!r}\n'.replace("'", '"'))
+    proc, port = start_router([], "--config", str(conf))
+    url = f"http://127.0.0.1:{port}"
     try:
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 401
-        r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer k1"}, timeout=10)
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        r = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k1"}, timeout=10)
         assert r.status_code == 200
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert health["status"] == "ok" and health["last_progress_s"] < 5
+        conf.write_text(f'api_key = "k2"\ntargets = ["{addrs[0]}"]\n')
+        proc.send_signal(signal.SIGHUP)
+        k2 = {"Authorization": "Bearer k2"}
+        deadline = time.time() + 20
+        while httpx.get(f"{url}/admin/state", headers=k2, timeout=10).status_code != 200:
+            assert time.time() < deadline, "the reload did not apply the new key"
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k1"}, timeout=10).status_code == 401
+        peers = httpx.get(f"{url}/admin/state", headers=k2, timeout=10).json()["peers"]
+        assert [p["addr"] for p in peers] == [addrs[0]]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
     finally:
         stop(proc)
 

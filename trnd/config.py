@@ -238,6 +238,8 @@ class PrefillConfig(RoleConfig, kw_only=True):
     pipeline: bool = True  # write each chunk's pages while the next computes; False: all at the end (benchmarks)
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0  # SIGTERM: in-flight prefills may finish this long
 
+    resolved_api_key = ServeConfig.resolved_api_key
+
 
 class DecodeConfig(ServeConfig, kw_only=True):
     prefill: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8100"])  # host:port of prefill peers

@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator, Callable
 import jinja2
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from trnd.api import protocol as P
-from trnd.api.app import AppState, admin_routes, json_response, make_app, state_of
+from trnd.api.app import AppState, admin_routes, make_app
 from trnd.api.chat import ChatPlan, ChoiceText, chat_grammar, plan_chat
-from trnd.api.errors import APIError, error_bytes, from_decode_error
+from trnd.api.errors import from_decode_error
 from trnd.api.params import chat_messages, check_completion_prompt, to_sampling_params
 from trnd.api.stream import EventStream, merge, sse, until_disconnect
 from trnd.api.structured import request_grammar
@@ -35,6 +35,8 @@ from trnd.config import ServeConfig
 from trnd.engine.engine import LengthError
 from trnd.engine.loop import DeadlineExceeded, EngineLoop, QueueFull, Unavailable
 from trnd.engine.output import StepOutput, TokenLogprob
+from trnd.http.app import json_response, read_body, state_of
+from trnd.http.errors import APIError, error_bytes
 from trnd.sampling_params import SamplingParams
 
 log = logging.getLogger("trnd.api")
@@ -52,36 +54,13 @@ def build_app(loop: EngineLoop, cfg: ServeConfig, model_name: str,
         Route("/v1/models", models, methods=["GET"]),
         *admin_routes(),
     ]
-    return make_app(routes, loop, cfg, model_name, state_extra)
+    return make_app(routes, loop, cfg, model_name, state_extra, ready_hold_s=cfg.ready_hold_s)
 
 
 # -- request intake ---------------------------------------------------------------------------------
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing more than `limit` bytes whether announced (Content-Length) or not (chunked)."""
-    too_big = APIError(413, f"Request body is larger than the limit of {limit} bytes", code="request_too_large")
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        if not cl.isdigit():
-            raise APIError(400, "Invalid Content-Length header")
-        if int(cl) > limit:
-            raise too_big
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone mid-upload: nobody reads the answer, but it must not be a 500
-        raise APIError(400, "Client disconnected while sending the body") from None
-    return b"".join(chunks)
-
-
 async def _decode(request: Request, st: AppState, typ: type):
-    if st.draining:
-        raise APIError(503, "The server is draining and accepts no new requests", code="draining",
-                       headers={"Retry-After": "1"})
+    st.refuse_if_draining()
     body = await read_body(request, st.cfg.max_body_bytes)
     await st.wait_serving()
     try:

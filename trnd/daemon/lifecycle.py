@@ -51,8 +51,9 @@ STALL_ENV = "TRND_DEBUG_STALL_S"  # test hook: EngineLoop.stall_s once ready (a 
 # What SIGHUP may change in a running process. Everything else (model, ports, point, tp, dtype, pool,
 # secret, peers) is fixed by what was allocated or handshaked at start: logged as ignored.
 LIVE_FIELDS = frozenset({"log_level", "max_requests", "max_n", "max_body_bytes", "api_key", "api_key_file",
-                         "drain_timeout_s"})
-_SECRET_FIELDS = frozenset({"api_key", "secret"})
+                         "drain_timeout_s", "targets", "target_api_key", "target_api_key_file"})
+_SECRET_FIELDS = frozenset({"api_key", "target_api_key", "secret"})
+BEAT_TICK_S = 0.5  # how often an asyncio-only role's Beat is turned
 
 
 class Progress(Protocol):
@@ -61,8 +62,17 @@ class Progress(Protocol):
     last_progress: float
 
 
+class Beat:
+    """The Progress of a role whose work all runs on its asyncio loop (router, store): `serve` turns it
+    while that loop comes round, so a blocked loop stops the watchdog as a hung engine step does."""
+
+    def __init__(self):
+        self.error: BaseException | None = None
+        self.last_progress = time.monotonic()
+
+
 class Readiness(Protocol):
-    """What /ready shows (api/app.py AppState). `reload(cfg, live)` checks the live fields of a re-read
+    """What /ready shows (trnd/http/admin.py Readiness). `reload(cfg, live)` checks the live fields of a re-read
     config and returns the function that applies them (so a bad key file changes nothing); it returns
     the names of what it changed beyond the fields ("api key")."""
     ready: bool
@@ -167,7 +177,16 @@ class Lifecycle:
 
     # -- serving ------------------------------------------------------------------------------------
 
-    async def serve(self, http, state: Readiness | None = None, *, banner: str, ready_fn: Callable[[], bool] | None = None,
+    async def serve(self, http, state: Readiness | None = None, **kw) -> int:
+        """_serve, with the Beat of an asyncio-only role (self.loop) turned while this loop runs."""
+        turner = asyncio.create_task(self._turn(self.loop), name="trnd-beat") if isinstance(self.loop, Beat) else None
+        try:
+            return await self._serve(http, state, **kw)
+        finally:
+            if turner is not None:
+                turner.cancel()
+
+    async def _serve(self, http, state: Readiness | None = None, *, banner: str, ready_fn: Callable[[], bool] | None = None,
                     waiting: Callable[[], str] | None = None, warmup: Callable[[], Awaitable[None]] | None = None,
                     in_flight: Callable[[], int] | None = None, abort: Callable[[], int] | None = None,
                     on_drain: Callable[[], None] | None = None, also_listening: tuple = ()) -> int:
@@ -240,6 +259,12 @@ class Lifecycle:
         await task
         log.info("stopped")
         return 0
+
+    @staticmethod
+    async def _turn(beat: Beat) -> None:
+        while True:
+            beat.last_progress = time.monotonic()
+            await asyncio.sleep(BEAT_TICK_S)
 
     async def _wait_stop(self, timeout: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):

@@ -362,7 +362,6 @@ class PrefillServer:
 def run(cfg: PrefillConfig, reload_source=None) -> int:
     """Load, warm up, serve the control plane and the admin HTTP port, READY; drain on SIGTERM."""
     from trnd.api.app import build_admin_app
-    from trnd.config import ServeConfig
     from trnd.daemon.lifecycle import Lifecycle
     from trnd.engine.warmup import warm_up
     from trnd.roles.runtime import http_server, run_async
@@ -381,8 +380,7 @@ def run(cfg: PrefillConfig, reload_source=None) -> int:
             life.status("warming up")
             log.info("warm-up took %.2f s", warm_up(server.engine, max_tokens=1))
             life.loop = server.loop
-            admin = build_admin_app(server.loop, ServeConfig(api_key=cfg.api_key, api_key_file=cfg.api_key_file),
-                                    name, server.state_extra)
+            admin = build_admin_app(server.loop, cfg, name, server.state_extra)
             server.metrics = admin.state.trnd.metrics
             server.metrics.role_stats = lambda: {"prefill_requests": server.stats["requests"],
                                                  "prefill_kv_writes": server.stats["xfers"],

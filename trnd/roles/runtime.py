@@ -42,7 +42,7 @@ class HTTPServer(uvicorn.Server):
 def http_server(app, host: str, port: int, drain_timeout_s: float = 30.0, cfg=None, sock=None) -> HTTPServer:
     """cfg (ServeConfig): max_header_bytes and header_timeout_s of the public port. sock: the port,
     bound at start (trnd.procs.bind_port); None: uvicorn binds host:port itself when it starts."""
-    from trnd.api.http import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, protocol
+    from trnd.http.guard import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, protocol
 
     proto = protocol(getattr(cfg, "max_header_bytes", MAX_HEADER_BYTES), getattr(cfg, "header_timeout_s", HEADER_TIMEOUT_S))
     server = HTTPServer(uvicorn.Config(app, host=host, port=port, loop="none", http=proto, log_config=None,

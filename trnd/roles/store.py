@@ -19,70 +19,39 @@ log = logging.getLogger("trnd.store")
 
 # -- admin HTTP -------------------------------------------------------------------------------------
 
-class AdminState:
-    """What Lifecycle expects on app.state.trnd: ready/draining flags and the config (api key reload)."""
-
-    def __init__(self, cfg: StoreConfig):
-        self.cfg, self.ready, self.draining = cfg, False, False
-        self.auth = None
-
-    def reload(self, cfg: StoreConfig, live: list[str]):
-        """daemon/lifecycle.py Readiness.reload: the store's one live setting here is its API key."""
-        from trnd.api.auth import key_swap
-
-        return key_swap(self.auth, cfg)
-
-
-def build_admin_app(server: StoreServer, cfg: StoreConfig):
-    from starlette.applications import Starlette
-    from starlette.middleware import Middleware
+def build_admin_app(server: StoreServer, cfg: StoreConfig, beat):
+    """The probes (trnd/http/admin.py) over the store's state and metrics, and the debug hooks in tests."""
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from trnd.api.auth import APIKeyMiddleware, find_api_key_middleware
-
-    def js(obj, status: int = 200) -> Response:
-        return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
-
-    async def health(request: Request) -> Response:
-        return js({"status": "ok"})
-
-    async def ready(request: Request) -> Response:
-        st = request.app.state.trnd
-        ok = st.ready and not st.draining
-        return js({"status": "ready" if ok else "draining" if st.draining else "starting"}, 200 if ok else 503)
-
-    async def admin_state(request: Request) -> Response:
-        return js(server.state())
-
-    async def metrics(request: Request) -> Response:
-        return Response(store_metrics(server), media_type="text/plain; version=0.0.4; charset=utf-8")
+    from trnd.http.admin import Readiness, admin_app
+    from trnd.http.app import json_response
+    from trnd.http.errors import APIError
 
     async def corrupt(request: Request) -> Response:
         try:
             h = bytes.fromhex(msgspec.json.decode(await request.body())["hash"])
         except (msgspec.DecodeError, KeyError, TypeError, ValueError):
-            return js({"error": "body must be {\"hash\": \"<64 hex digits>\"}"}, 400)
+            raise APIError(400, 'The body must be {"hash": "<64 hex digits>"}', param="hash") from None
         slot = server.debug_corrupt(h)
-        return js({"slot": slot}, 200 if slot is not None else 404)
+        if slot is None:
+            raise APIError(404, "No such page in the store", param="hash")
+        return json_response({"slot": slot})
 
     async def delay(request: Request) -> Response:
         try:
             server.delay_s = max(0.0, float(msgspec.json.decode(await request.body())["s"]))
         except (msgspec.DecodeError, KeyError, TypeError, ValueError):
-            return js({"error": "body must be {\"s\": seconds}"}, 400)
-        return js({"delay_s": server.delay_s})
+            raise APIError(400, 'The body must be {"s": seconds}', param="s") from None
+        return json_response({"delay_s": server.delay_s})
 
-    routes = [Route("/health", health, methods=["GET"]), Route("/ready", ready, methods=["GET"]),
-              Route("/admin/state", admin_state, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])]
+    routes = []
     if server.debug:
         routes += [Route("/admin/debug/corrupt", corrupt, methods=["POST"]),
                    Route("/admin/debug/delay", delay, methods=["POST"])]
-    app = Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, api_key=cfg.resolved_api_key())])
-    app.state.trnd = AdminState(cfg)
-    app.state.trnd.auth = find_api_key_middleware(app)
-    return app
+    return admin_app(routes, Readiness(progress=beat, ready=False), state=server.state,
+                     metrics=lambda: store_metrics(server), api_key=cfg.resolved_api_key())
 
 
 def store_metrics(server: StoreServer) -> bytes:
@@ -126,7 +95,7 @@ def store_metrics(server: StoreServer) -> bytes:
 
 def run(cfg: StoreConfig, reload_source=None) -> int:
     """Register the region, serve the control plane and the admin port, READY; stop on SIGTERM."""
-    from trnd.daemon.lifecycle import Lifecycle
+    from trnd.daemon.lifecycle import Beat, Lifecycle
     from trnd.roles.runtime import http_server, run_async
 
     control = bind_port(cfg.host, cfg.control_port, "control_port")  # taken: one line, exit 1, at once
@@ -139,8 +108,8 @@ def run(cfg: StoreConfig, reload_source=None) -> int:
             print(f"{journal_prefix(3)}trnd: cannot start: memory_gb = {cfg.memory_gb:g}: {e}", file=sys.stderr)
             return EX_CONFIG
         try:
-            life.loop = server.beat
-            app = build_admin_app(server, cfg)
+            life.loop = Beat()
+            app = build_admin_app(server, cfg, life.loop)
             http = http_server(app, cfg.host, cfg.admin_port, cfg.drain_timeout_s, sock=admin_sock)
             if server.debug:
                 log.warning("%s=1: debug hooks on /admin/debug/* (tests only)", DEBUG_ENV)

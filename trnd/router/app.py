@@ -2,30 +2,28 @@
 
 `/v1/chat/completions` and `/v1/completions` go to the target trnd/router/policy.py picks; `/v1/models`
 lists what the healthy targets serve; `/health`, `/ready`, `/metrics` and `/admin/state` describe the
-router. The API key and error schema are the decode servers' own (trnd/api/auth.py, errors.py).
+router. The probes, API key and error schema are every role's (trnd/http/).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from trnd import snapshot as S
-from trnd.api.auth import APIKeyMiddleware
-from trnd.api.errors import APIError, api_error_handler, http_error_handler, internal_error_handler
-from trnd.api.server import read_body
+from trnd import snapshot
 from trnd.config import RouterConfig
+from trnd.http.admin import Readiness, admin_app
+from trnd.http.app import json_response, read_body, state_of
+from trnd.http.auth import key_swap
+from trnd.http.errors import APIError
 from trnd.router.policy import PrefixIndex, prefix_hashes
 from trnd.router.proxy import Proxied
 from trnd.router.targets import Target, Targets
@@ -55,31 +53,41 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
-@dataclass
-class RouterState:
+@dataclass(kw_only=True)
+class RouterState(Readiness):
+    """`app.state.trnd` of the router: its Readiness (ready_fn: a healthy target) and what its handlers
+    share."""
     cfg: RouterConfig
     client: httpx.AsyncClient
     targets: Targets
     index: PrefixIndex
     tokenizer: object | None = None  # trnd Tokenizer of the targets' model: exact prompt counts
-    draining: bool = False
-    started: float = field(default_factory=time.time)
     routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0, "random": 0})
     metrics: RouterMetrics | None = None
     sprayed: int = 0
     retries: int = 0
     failovers: int = 0
 
-    async def wait_target(self) -> None:
-        """Ready means ready, as on a decode server: a request (and /v1/models, which clients poll) that
-        arrives while no target is healthy waits up to ready_hold_s for one, then gets 503 not_ready."""
-        deadline = time.monotonic() + self.cfg.ready_hold_s
-        while not self.targets.healthy():
-            if self.draining or time.monotonic() >= deadline:
-                why = "; ".join(f"{t.addr}: {t.error or 'probing'}" for t in self.targets.all)
-                raise APIError(503, f"No decode server is ready ({why}); retry later", code="not_ready",
-                               headers={"Retry-After": "2"})
-            await asyncio.sleep(0.05)
+    def __post_init__(self):
+        self.ready_fn = lambda: bool(self.targets.healthy())
+        self.not_ready_why = lambda: "no healthy decode server: " + "; ".join(
+            f"{t.addr}: {t.error or 'probing'}" for t in self.targets.all)
+        self.ready_hold_s = self.cfg.ready_hold_s
+
+    def reload(self, cfg: RouterConfig, live: list[str]):
+        """daemon/lifecycle.py Readiness.reload: targets, the key sent to them and the clients' key. Both
+        key files are read now; a missing one changes nothing."""
+        swap, headers = key_swap(self.auth, cfg), target_headers(cfg)
+
+        def commit() -> list[str]:
+            self.cfg = cfg
+            self.targets.set_addrs(cfg.targets)
+            self.targets.headers = headers
+            return swap()
+        return commit
+
+    def in_flight(self) -> int:
+        return sum(t.in_flight for t in self.targets.all)
 
     def next_spray(self) -> int | None:
         """The request's sequence number under policy = "random"; None under affinity."""
@@ -102,30 +110,21 @@ class RouterState:
         self.metrics.failovers.labels(t.addr).inc()
 
 
+def target_headers(cfg: RouterConfig) -> dict[str, str]:
+    """Authorization for the targets' /v1/models and /admin/state: the target key, else the router's own."""
+    key = cfg.resolved_target_key() or cfg.resolved_api_key()
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 def build_app(st: RouterState) -> Starlette:
     st.metrics = RouterMetrics(st)
     routes = [
         Route("/v1/chat/completions", _route("/v1/chat/completions"), methods=["POST"]),
         Route("/v1/completions", _route("/v1/completions"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/admin/state", admin_state, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, api_key=st.cfg.resolved_api_key())],
-                    exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
-                                        Exception: internal_error_handler})
-    app.state.router = st
-    return app
-
-
-def _state(request: Request) -> RouterState:
-    return request.app.state.router
-
-
-def _json(obj, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+    return admin_app(routes, st, state=lambda: router_state(st), metrics=st.metrics.render,
+                     api_key=st.cfg.resolved_api_key())
 
 
 def _text(content) -> str:
@@ -164,12 +163,10 @@ def needed_tokens(st: RouterState, path: str, data: dict, text: str) -> int:
 
 def _route(path: str):
     async def handler(request: Request):
-        st = _state(request)
-        if st.draining:
-            raise APIError(503, "The router is draining and accepts no new requests", code="draining",
-                           headers={"Retry-After": "1"})
+        st: RouterState = state_of(request)
+        st.refuse_if_draining()
         body = await read_body(request, st.cfg.max_body_bytes)
-        await st.wait_target()
+        await st.wait_serving()
         try:
             data = msgspec.json.decode(body)
         except msgspec.DecodeError as e:
@@ -197,41 +194,25 @@ def _route(path: str):
 
 
 async def models(request: Request) -> Response:
-    st = _state(request)
-    await st.wait_target()
+    st: RouterState = state_of(request)
+    await st.wait_serving()
     cards: dict[str, dict] = {}
     for t in st.targets.healthy():
         c = cards.setdefault(t.model, {"id": t.model, "object": "model", "created": int(st.started),
                                        "owned_by": "trnd", "max_model_len": 0})
         c["max_model_len"] = max(c["max_model_len"], t.max_model_len)
-    return _json({"object": "list", "data": list(cards.values())})
+    return json_response({"object": "list", "data": list(cards.values())})
 
 
-async def health(request: Request) -> Response:
-    return _json({"status": "ok"})
-
-
-async def ready(request: Request) -> Response:
-    st = _state(request)
-    if st.draining:
-        return _json({"status": "draining"}, 503)
-    n = len(st.targets.healthy())
-    return _json({"status": "ready" if n else "no healthy target", "healthy_targets": n}, 200 if n else 503)
-
-
-async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
-async def admin_state(request: Request) -> Response:
+def router_state(st: RouterState) -> snapshot.State:
     """The router's part of the /admin/state schema (trnd/snapshot.py): its targets are its peers."""
-    st = _state(request)
     now = time.monotonic()
-    state = S.State(
+    return snapshot.State(
         role="router", uptime_s=round(time.time() - st.started, 1), draining=st.draining,
         model=next((t.model for t in st.targets.all if t.model), None),
-        routing=S.Routing(**st.routed, retries=st.retries, failovers=st.failovers, prefix_entries=len(st.index.map)),
-        peers=[S.Peer(kind="decode", addr=t.addr, healthy=t.healthy, point=t.point, max_model_len=t.max_model_len,
-                      outstanding=t.in_flight, requests=t.requests, sessions=len(t.sessions), error=t.error,
-                      last_seen_s=round(now - t.last_ok, 2) if t.last_ok else None) for t in st.targets.all])
-    return _json(state)
+        routing=snapshot.Routing(**st.routed, retries=st.retries, failovers=st.failovers,
+                                 prefix_entries=len(st.index.map)),
+        peers=[snapshot.Peer(kind="decode", addr=t.addr, healthy=t.healthy, point=t.point,
+                             max_model_len=t.max_model_len, outstanding=t.in_flight, requests=t.requests,
+                             sessions=len(t.sessions), error=t.error,
+                             last_seen_s=round(now - t.last_ok, 2) if t.last_ok else None) for t in st.targets.all])

@@ -17,7 +17,7 @@ import httpx
 import msgspec
 from starlette.types import Receive, Scope, Send
 
-from trnd.api.errors import APIError, error_bytes
+from trnd.http.errors import APIError, error_bytes
 from trnd.router.policy import NoTarget, choose
 from trnd.router.targets import Target
 

@@ -59,15 +59,6 @@ class Client:
         ("lookups", "hits", "misses", "reserved", "committed", "rejected", "bytes_in", "bytes_out", "corrupt"), 0))
 
 
-class Beat:
-    """What the Lifecycle's watchdog follows (it reads `error` and `last_progress`, like an EngineLoop):
-    the store's asyncio loop came round."""
-
-    def __init__(self):
-        self.error = None
-        self.last_progress = time.monotonic()
-
-
 class StoreServer:
     def __init__(self, cfg: StoreConfig):
         import torch
@@ -88,7 +79,6 @@ class StoreServer:
         self.shape_from: str | None = None  # key space of the client that fixed the slot size
         self.clients: dict[int, Client] = {}
         self._ids = itertools.count(1)
-        self.beat = Beat()
         self.debug = os.environ.get(DEBUG_ENV) == "1"
         self.delay_s = 0.0
         self.started = time.time()
@@ -112,7 +102,6 @@ class StoreServer:
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_EVERY_S)
-            self.beat.last_progress = time.monotonic()
             if self.index is not None:
                 leases, res = self.index.expire(time.monotonic())
                 if leases or res:

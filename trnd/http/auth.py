@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from trnd.api.errors import APIError, error_bytes
+from trnd.http.errors import APIError, error_bytes
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
