@@ -13,7 +13,7 @@ that name (transformers imports it).
 import importlib.util
 from pathlib import Path
 
-from setuptools import Command, find_packages, setup
+from setuptools import Command, Distribution, find_packages, setup
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build import build
 from setuptools.errors import SetupError
@@ -66,13 +66,16 @@ class build_kernels(Command):
         return [str(p.relative_to(ROOT)) for p in sorted((ROOT / "kernels/cpu/csrc").iterdir())]
 
 
-class platform_wheel(bdist_wheel):
-    def finalize_options(self):
-        super().finalize_options()
-        self.root_is_pure = False
+class BinaryDistribution(Distribution):
+    """Holds compiled code (the kernels): install into platlib, and make bdist_wheel a platform wheel."""
 
+    def has_ext_modules(self):
+        return True
+
+
+class platform_wheel(bdist_wheel):
     def get_tag(self):
-        return "py3", "none", super().get_tag()[2]
+        return "py3", "none", super().get_tag()[2]  # any Python 3: the kernels link torch, not libpython
 
 
 build.sub_commands.append(("build_kernels", None))
@@ -82,4 +85,5 @@ setup(
     + ["trnd_kernels" + p.removeprefix("kernels") for p in find_packages(include=["kernels", "kernels.*"])],
     package_dir={"trnd_kernels": "kernels"},
     cmdclass={"build_kernels": build_kernels, "bdist_wheel": platform_wheel},
+    distclass=BinaryDistribution,
 )

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.wheel import build_wheel
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "docs/DEPLOY.md"
 SYSTEMD_BIN = Path("/lib/systemd/systemd")
@@ -39,10 +41,11 @@ PASS_ENV = re.compile(r"PIP_.*|(?i:.*_proxy)|SSL_CERT_.*|REQUESTS_CA_BUNDLE", re
 pytestmark = pytest.mark.slow
 
 # PID 1 of the new namespaces until it execs systemd. $1: an empty host directory for the tmpfs, $2: this
-# checkout (copied to /usr/src/trnd, the "source tree" DEPLOY.md installs from).
+# checkout (copied to /usr/src/trnd, the "source tree" DEPLOY.md installs from), $3: the wheel built from it
+# (put in the tree's dist/, where DEPLOY.md's `pip wheel -w dist .` puts it).
 BOOT = r"""
 set -eu
-T=$1 SRC=$2
+T=$1 SRC=$2 WHEEL=$3
 mount --make-rprivate /
 mount -t tmpfs -o mode=0755,size=6g trnd-boot "$T"
 mkdir "$T/upper" "$T/work" "$T/root"
@@ -65,6 +68,8 @@ mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs "$R/run"
 mkdir -p "$R/usr/src/trnd"
 tar -C "$SRC" --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.egg-info' -cf - . \
   | tar -C "$R/usr/src/trnd" -xf -
+mkdir -p "$R/usr/src/trnd/dist"
+cp "$WHEEL" "$R/usr/src/trnd/dist/"
 echo trnd-ci > "$R/etc/hostname"
 : > "$R/etc/machine-id"
 cd "$R"
@@ -160,7 +165,7 @@ def deploy_blocks(section: str) -> list[str]:
 class Machine:
     """systemd as PID 1 of fresh namespaces; `sh` runs a script as root inside it."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, wheel: Path):
         self.tmp = tmp
         parent = _cgroup2_dir()
         self.cgroup = parent / f"trnd-boot-{os.getpid()}-{secrets.token_hex(3)}"
@@ -180,7 +185,7 @@ class Machine:
 
         self.proc = subprocess.Popen(
             ["unshare", "--fork", "--kill-child=SIGKILL", "--pid", "--mount", "--uts", "--ipc", "--cgroup", "--net",
-             "sh", "-c", BOOT, "boot", str(self.mnt), str(ROOT)],
+             "sh", "-c", BOOT, "boot", str(self.mnt), str(ROOT), str(wheel)],
             preexec_fn=into_cgroup, stdin=subprocess.DEVNULL, stdout=self.console, stderr=subprocess.STDOUT,
             env={"PATH": PATH, "LANG": "C.UTF-8"})
 
@@ -279,11 +284,10 @@ def show(m: Machine, unit: str, *props: str) -> dict[str, str]:
 
 
 def install(m: Machine) -> None:
-    """docs/DEPLOY.md's Install and Credentials blocks as written (from the source tree, not the wheel),
+    """docs/DEPLOY.md's Install and Credentials blocks as written (the wheel, from the source tree's dist/),
     then a tiny model where DEPLOY.md says models go, and the configs edited to use it."""
     for block in deploy_blocks("Install"):
-        lines = [line for line in block.splitlines() if ".whl" not in line]  # the wheel or the checkout: the latter
-        script = "cd /usr/src/trnd\n" + "\n".join(lines).replace("/path/to/trnd-checkout", "/usr/src/trnd")
+        script = "cd /usr/src/trnd\n" + block
         passed = {k: v for k, v in os.environ.items() if PASS_ENV.fullmatch(k)}
         m.sh(script, timeout=600, host_network=True, env=passed)
     for block in deploy_blocks("Credentials"):
@@ -312,7 +316,8 @@ def install(m: Machine) -> None:
 @pytest.fixture(scope="module")
 def machine(tmp_path_factory):
     _skip_unless_possible()
-    m = Machine(tmp_path_factory.mktemp("machine"))
+    wheel = build_wheel(tmp_path_factory.mktemp("wheel"))  # what DEPLOY.md installs
+    m = Machine(tmp_path_factory.mktemp("machine"), wheel)
     try:
         m.boot()
         install(m)
