@@ -175,6 +175,7 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
          f"deployment's prefill and decode processes each get {ctx.threads} threads), vLLM "
          f"`VLLM_CPU_OMP_THREADS_BIND=0-{ctx.threads - 1}`; of what its CPU docs ask to preload (tcmalloc, "
          f"libiomp5) this machine has {', '.join(Path(p).name for p in vllm_preload(ctx)) or 'neither'}, preloaded.",
+         f"- trnd measured: {info.get('trnd', '?')}.",
          f"- Versions: {info['peer']}; trnd torch {info['torch']}; time to ready: "
          + ", ".join(f"{SERVERS[k]} {v:.0f} s" for k, v in info["ready_s"].items()) + ".",
          "- Check: every run must generate "
@@ -192,7 +193,8 @@ def section(ctx: Ctx, facts: dict, results: dict, profiles: dict, info: dict) ->
           f"MODEL={ctx.model}   # trnd model init $MODEL --preset small",
           f"python -m trnd bench serve-compare --servers {a.servers} --concurrency {a.concurrency} --num-prompts "
           f"{a.num_prompts} --input-len {a.input_len} --output-len {a.output_len} --rounds {a.rounds} --profile-s "
-          f"{a.profile_s:g}   # this whole run; per server it ran:", *ctx.commands, "```", ""]
+          f"{a.profile_s:g}" + (" --trnd-venv $TRND" if getattr(a, "trnd_venv", None) else "")
+          + "   # this whole run; per server it ran:", *ctx.commands, "```", ""]
     if profiles:
         conc = max(concs)
         t += ["### Where trnd's time goes", "",

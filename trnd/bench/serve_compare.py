@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every server this many times (even rounds in reverse order) and report each "
                         "cell's best round: a shared machine's noise only slows runs down")
+    p.add_argument("--trnd-venv", default=os.environ.get("TRND_VENV"),
+                   help="a virtual environment with trnd installed (the wheel, as docs/DEPLOY.md installs it): "
+                        "measure that trnd instead of this checkout's (default $TRND_VENV)")
     p.add_argument("--threads", type=int, help="compute threads for every server (default: all cores)")
     p.add_argument("--profile-s", type=float, default=10.0,
                    help="py-spy seconds on trnd's decode-step process under max concurrency (0: no profile)")
@@ -107,6 +111,22 @@ def measure(ctx: Ctx, key: str, concs: list[int], info: dict, rnd: int, profiles
     return res
 
 
+def trnd_under_test(ctx: Ctx) -> str:
+    """Which trnd the run measures, for the table: an installed wheel or this checkout, and its kernels."""
+    code = ("import trnd, trnd_kernels.cpu as k, importlib.metadata as m, pathlib; p = pathlib.Path(trnd.__file__); "
+            "d = m.distribution('trnd'); "
+            "e = (d.read_text('direct_url.json') or ''); "
+            "print(('checkout ' + str(p.parent.parent)) if 'editable' in e else ('installed ' + str(p.parent)), "
+            "d.version, '|', k.kernels_status().line())")
+    r = subprocess.run([ctx.trnd_py, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        return f"? ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})"
+    where, kernels = r.stdout.strip().split(" | ", 1)
+    kind, path, version = where.split(" ", 2)
+    what = f"the installed package {version} ({path})" if kind == "installed" else f"this checkout ({path})"
+    return f"{what}; {kernels}"
+
+
 def best_of(runs: dict[str, dict[int, list[dict]]]) -> dict[str, dict[int, dict]]:
     """Per server and concurrency, the round with the highest output tok/s (noise on a shared machine only
     ever slows a run down), with every round's tok/s kept for the table."""
@@ -145,12 +165,17 @@ def main(args) -> int:
     wrapper = out / "vllm_wrapper.py"
     wrapper.write_text(WRAPPER)
     ctx = Ctx(model, peer_py, str(wrapper), out, args.threads or os.cpu_count() or 1, args)
+    if args.trnd_venv:
+        ctx.trnd_py = str(Path(args.trnd_venv) / "bin" / "python")
+        if not Path(ctx.trnd_py).exists():
+            print(f"trnd bench serve-compare: no venv at {args.trnd_venv} (--trnd-venv)", file=sys.stderr)
+            return 2
     facts = machine_facts()
     info = {"model": model, "peer": peer_versions(peer_py), "torch": torch.__version__, "load": {}, "ready_s": {},
-            "errors": [], "notes": [], "rounds": args.rounds}
+            "errors": [], "notes": [], "rounds": args.rounds, "trnd": trnd_under_test(ctx)}
     print(f"trnd bench serve-compare: {model}; servers {keys}; concurrency {concs}; {args.rounds} round(s); "
           f"{ctx.threads} threads; results, logs and profiles in {out}\n  {facts['nproc']} cores, {facts['cpu']}; "
-          f"{info['peer']}", flush=True)
+          f"{info['peer']}\n  trnd measured: {info['trnd']}", flush=True)
     runs: dict[str, dict[int, list[dict]]] = {}
     profiles: dict[str, dict] = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwind: stop the server we started

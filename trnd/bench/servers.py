@@ -133,7 +133,7 @@ class Server:
         return out
 
     def has_decode(self) -> bool:
-        return any(" -m trnd decode " in f" {cmd} " for _, cmd in self.pids())
+        return any(" -m trnd decode " in f" {cmd} " for _, cmd in self.pids())  # `python [-P] -m trnd decode`
 
     def decode_pid(self) -> int:
         """The process that runs decode steps: the decode role of a local deployment, else the server."""
@@ -175,9 +175,15 @@ class Ctx:
     threads: int
     args: object
     commands: list[str] = field(default_factory=list)
+    trnd_py: str = sys.executable  # the Python whose trnd is measured: this checkout's, or an installed venv's
 
     def vllm(self) -> list[str]:
         return [self.peer_py, self.wrapper]
+
+    def trnd(self) -> list[str]:
+        """`python -P -m trnd`: -P keeps the working directory off sys.path, so an installed trnd is measured
+        even when the run starts in a checkout."""
+        return [self.trnd_py, "-P", "-m", "trnd"]
 
 
 def peer_dtype() -> str:
@@ -195,7 +201,7 @@ def make_server(key: str, ctx: Ctx, rnd: int = 1) -> Server:
     if key == "trnd-disagg-roles":
         return roles_server(ctx, port, env, rnd)
     if key.startswith("trnd"):
-        cmd = [sys.executable, "-m", "trnd", "serve", "--model", ctx.model, "--host", "127.0.0.1", "--port",
+        cmd = [*ctx.trnd(), "serve", "--model", ctx.model, "--host", "127.0.0.1", "--port",
                str(port), "--no-prefix-cache", "--threads", str(ctx.threads)]
         if key.startswith("trnd-agg"):
             cmd.append("--aggregated")
@@ -227,7 +233,7 @@ def roles_server(ctx: Ctx, port: int, env: dict[str, str], rnd: int) -> Server:
     control, admin = free_port(), free_port()
     common = ["--model", ctx.model, "--threads", str(ctx.threads), "--no-prefix-cache",
               "--secret-file", str(secret), "--host", "127.0.0.1"]
-    py = [sys.executable, "-m", "trnd"]
+    py = ctx.trnd()
     pre = [*py, "prefill", *common, "--control-port", str(control), "--admin-port", str(admin)]
     dec = [*py, "decode", *common, "--port", str(port), "--prefill", f"127.0.0.1:{control}"]
     line = " ".join(map(shlex.quote, pre)) + " & exec " + " ".join(map(shlex.quote, dec))
@@ -247,6 +253,8 @@ def shown(cmd: list[str], env: dict[str, str] | None = None, ctx: Ctx | None = N
         for path, var in ((ctx.wrapper, "vllm_wrapper.py"), (str(ctx.out), "$RESULTS"), (ctx.model, "$MODEL"),
                           (str(Path(ctx.peer_py).parent.parent), "$PEER")):
             line = line.replace(path, var)
+        if ctx.trnd_py != sys.executable:
+            line = line.replace(str(Path(ctx.trnd_py).parent.parent), "$TRND")
     return line.replace(sys.executable, "python")
 
 

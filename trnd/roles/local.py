@@ -194,7 +194,9 @@ def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
         def start(c: Child) -> None:
             c.ready, c.listening, c.status, c.readies, c.heard = False, [], "starting", 0, False
             c.pinged = time.monotonic()
-            c.proc = subprocess.Popen([sys.executable, "-m", "trnd", c.role, "--config", str(c.config)], env=env,
+            # -P: the working directory stays off the child's sys.path, so a `trnd/` folder there (a checkout
+            # beside an installed trnd) is never what the child imports
+            c.proc = subprocess.Popen([sys.executable, "-P", "-m", "trnd", c.role, "--config", str(c.config)], env=env,
                                       preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
         for c in children:
