@@ -227,6 +227,9 @@ class Transfers(_S):
     requests: int | None = None
     xfers: int | None = None
     bytes: int | None = None
+    descriptors: int | None = None  # prefill: NIXL descriptors posted (pages coalesced into runs, transfer/plan.py)
+    digest_failures: int | None = None  # decode: handoffs whose landed bytes failed the digest (transfer/digest.py)
+    local_for_link: int | None = None  # decode: prompts prefilled here because the link was slower than recompute
     post_ms: float | None = None
     xfer_ms: float | None = None
     failed: int | None = None

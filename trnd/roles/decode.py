@@ -27,8 +27,10 @@ from trnd.engine.request import Req
 from trnd.engine.sampler import SampleOut
 from trnd.log import Failures
 from trnd.procs import dial
-from trnd.roles.common import build_engine, manifest, point_capacity
+from trnd.roles.common import build_engine, layout_from, layout_of, manifest, point_capacity
+from trnd.transfer import digest
 from trnd.transfer import protocol as P
+from trnd.transfer.plan import make_plan, page_rows
 from trnd.transfer.handoff import Awaited
 
 log = logging.getLogger("trnd.decode")
@@ -49,6 +51,7 @@ class PrefillPeer:
     healthy: bool = False
     load: int = 0
     last_seen: float = 0.0
+    plan: list | None = None  # how its pages map onto ours (transfer/plan.py): what the digest walks
     refused: str | None = None  # why the last handshake was refused
     error: str | None = None
     connects: int = 0
@@ -113,6 +116,8 @@ class DecodeServer:
         self.manifest = manifest(self.engine, self.point, "decode", model_name)
         self.capacity = point_capacity(self.engine, self.point)
         self.agent = self.engine.kv_agent()
+        self.layout = layout_of(self.engine)
+        self.memory = digest.Memory(self.engine.pools)
         self.engine.take_prompt_kv_from(self.ask_peer)
         self.loop = EngineLoop(self.engine, cfg.max_requests, poll=self._poll)
         self.peers = [PrefillPeer(a) for a in cfg.prefill]
@@ -120,7 +125,8 @@ class DecodeServer:
         self.xfer_metrics = self.engine.xfer_metrics  # per prefill peer: op kv_receive (handoff sent -> KV landed)
         self.aio: asyncio.AbstractEventLoop | None = None
         self.stats = {"handoffs": 0, "retried": 0, "failed": 0, "fenced": 0, "timed_out": 0,
-                      "kv_pages_received": 0, "kv_bytes_received": 0, "local_prefills": 0}
+                      "kv_pages_received": 0, "kv_bytes_received": 0, "local_prefills": 0, "digest_failures": 0,
+                      "local_for_link": 0}
         self.local_prefill_tokens = local_prefill_tokens(cfg)
         if self.local_prefill_tokens:
             log.info("prompts of at most %d uncached tokens are prefilled here, longer ones by a prefill peer "
@@ -185,6 +191,7 @@ class DecodeServer:
             raise Refusal(f"does not match this decode server: {why}")
         name = await self.loop.run_on_loop(lambda: self._handshaked(peer, reply.agent_meta))
         peer.chan, peer.agent_name, peer.manifest = chan, name, reply.manifest
+        peer.plan = make_plan(layout_from(reply.manifest), self.layout)
         peer.refused, peer.error = None, None
         peer.healthy, peer.last_seen = True, time.monotonic()
         peer.connects += 1
@@ -300,6 +307,12 @@ class DecodeServer:
             self.xfer_metrics.end("kv_receive", ok=None, key=req.rid)
             return Landing()  # released by the scheduler: nothing can land any more
         ok = a.over is None
+        bad = ok and self._digest_mismatch(req, a)
+        if bad:
+            ok = False
+            self.stats["digest_failures"] += 1
+            log.error("handoff of %s from %s: %s", req.rid, a.peer, bad)
+            trace.phase(req, f"KV digest failed: {bad}")
         self.xfer_metrics.end("kv_receive", nbytes=len(a.target) * self.engine.runner.page_bytes * self.engine.tp.size
                               if ok else 0, ok=ok, key=req.rid)
         if ok:
@@ -310,6 +323,12 @@ class DecodeServer:
             self.stats["kv_bytes_received"] += len(a.target) * self.engine.runner.page_bytes
             return Landing(first=SampleOut(m.token, m.logprob, m.top_logprobs), computed_tokens=m.computed_tokens,
                            cached_from=peer_hits(m.cached_from, req.num_cached), received=req.num_prompt - req.num_cached)
+        if bad:  # every write landed (nothing in flight): the pages are free to take again
+            if req.handoffs <= self.cfg.prefill_retries:
+                self.stats["retried"] += 1
+                return Landing(retry=True)
+            self.stats["failed"] += 1
+            return Landing(error=Unavailable(f"prefill {a.peer}: {bad}"))
         if a.over == "lost":  # its target pages are in quarantine (held); retry elsewhere or fail
             if req.handoffs <= self.cfg.prefill_retries and self._pick() is not None:
                 self.stats["retried"] += 1
@@ -320,6 +339,27 @@ class DecodeServer:
         if a.over == "timeout":
             return Landing(error=DeadlineExceeded(a.reason))
         return Landing(error=Unavailable(f"prefill failed: {a.reason}"))
+
+    def _digest_mismatch(self, req: Req, a) -> str | None:
+        """Hash what landed in the target pages (transfer/digest.py) against the peer's digest of what
+        it wrote; None when they agree (or the peer took none)."""
+        m = a.done
+        if not m.digest:
+            return None
+        peer = self._peer(a.peer)
+        if peer is None or peer.plan is None:
+            return "the peer's layout is unknown (it reconnected): the KV cannot be checked"
+        src = layout_from(peer.manifest)
+        _, rows = page_rows(peer.plan, src, self.layout, [0] * len(src.rank_heads), self.agent.bases,
+                            [0] * len(a.target), a.target)
+        h = digest.new()
+        self.memory.update(h, rows)
+        if h.digest() != m.digest:
+            return (f"the KV that landed ({len(a.target)} pages) does not match the digest of what prefill wrote: "
+                    f"not decoded from")
+        trace.phase(req, f"KV digest verified: {int(rows[:, 1].sum()) / 2**20:.1f} MiB, "
+                                      f"{m.num_xfers} writes, {m.descriptors} descriptors")
+        return None
 
     def fence(self, rid: str) -> None:
         """Engine abort of a parked request: keep its pages until the peer confirms nothing is in flight."""

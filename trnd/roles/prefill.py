@@ -28,7 +28,8 @@ from trnd.log import Failures
 from trnd.roles.common import build_engine, layout_from, layout_of, manifest, point_capacity
 from trnd.transfer import protocol as P
 from trnd.transfer.handoff import Shipment, Shipped, Xfer
-from trnd.transfer.plan import descriptors, make_plan
+from trnd.transfer import digest
+from trnd.transfer.plan import by_segment, coalesce, make_plan, page_rows
 
 log = logging.getLogger("trnd.prefill")
 
@@ -59,6 +60,7 @@ class PrefillServer:
         self.capacity = point_capacity(self.engine, self.point)
         self.layout = layout_of(self.engine)
         self.agent = self.engine.kv_agent()
+        self.memory = digest.Memory(self.engine.pools)
         self.engine.on_forward = self._ship
         self._names: dict[int, str] = {}  # peer id -> its decode agent (kept while its shipments settle)
         self._failed: list[str] = []  # local rids whose handoff failed mid-step: aborted by the next _poll
@@ -71,7 +73,7 @@ class PrefillServer:
         # post_ms: time inside NIXL's post call; xfer_ms: post to completion seen, summed over transfers
         self.xfer_metrics = self.engine.xfer_metrics  # per decode agent: op kv_write
         self.metrics = None  # api/metrics.py Metrics of the admin app: each prefill's end is counted there
-        self.stats = {"requests": 0, "xfers": 0, "bytes": 0, "post_ms": 0.0, "xfer_ms": 0.0, "failed": 0,
+        self.stats = {"requests": 0, "xfers": 0, "bytes": 0, "descriptors": 0, "post_ms": 0.0, "xfer_ms": 0.0, "failed": 0,
                       "aborted": 0, "refused": 0, "unauthenticated": 0}
 
     # -- control plane (asyncio) --------------------------------------------------------------------
@@ -246,9 +248,14 @@ class PrefillServer:
                 continue
             src = [req.pages[i] for i in idx]
             dst = [h.dst_pages[i - h.skip_pages] for i in idx]
-            sd, dd = descriptors(peer.plan, self.layout, peer.layout, self.agent.bases,
-                                 [r.addr for r in peer.regions], src, dst)
+            sd, dd = page_rows(peer.plan, self.layout, peer.layout, self.agent.bases,
+                               [r.addr for r in peer.regions], src, dst)
+            if h.hasher is None:
+                h.hasher = digest.new()
+            self.memory.update(h.hasher, sd)  # before the post: these pages are final, and held from here on
+            sd, dd = coalesce(*by_segment(sd, dd, len(peer.plan)))
             h.num_xfers += 1
+            h.descriptors += len(sd)
             t0 = time.monotonic()
             try:
                 handle = self.agent.write(peer.agent_name, sd, dd, f"{h.rid}|{h.num_xfers}".encode())
@@ -257,10 +264,14 @@ class PrefillServer:
                 self._fail(req.rid, h, str(e))
                 continue
             self.stats["post_ms"] += (time.monotonic() - t0) * 1e3
+            self.stats["descriptors"] += len(sd)
+            nbytes = int(dd[:, 1].sum())
             self.xfer_metrics.start("kv_write", peer.agent_name)
-            trace.phase(req, f"KV write {h.num_xfers} posted: {len(idx)} pages to {peer.agent_name}")
+            self.xfer_metrics.posted("kv_write", peer.agent_name, len(sd), nbytes)
+            trace.phase(req, f"KV write {h.num_xfers} posted: {len(idx)} pages, {len(sd)} descriptors, "
+                             f"{nbytes / 2**20:.1f} MiB to {peer.agent_name}")
             self.engine.hold(src)  # until the transfer is done, whatever happens to the request
-            Shipped.shipped(h, idx, Xfer(handle, src, int(dd[:, 1].sum()), t0))
+            Shipped.shipped(h, idx, Xfer(handle, src, nbytes, t0, h.num_xfers, req))
 
     def _on_output(self, out: StepOutput) -> None:
         if out.finished and self.metrics is not None:
@@ -273,7 +284,8 @@ class PrefillServer:
         lp = out.logprobs[0] if out.logprobs else None
         self._send_to(h.peer, P.KVDone(h.rid, out.token_ids[0], lp.logprob if lp else None,
                                        [tuple(t) for t in lp.top] if lp else None, h.num_xfers,
-                                       out.prompt_tokens - out.cached_tokens, out.cached_from or {}))
+                                       out.prompt_tokens - out.cached_tokens, out.cached_from or {},
+                                       h.hasher.digest() if h.hasher is not None else b"", h.descriptors))
         h.done = True
         self._settle(out.rid)
 
@@ -287,6 +299,9 @@ class PrefillServer:
             self.engine.drop(x.src)
             self.xfer_metrics.end("kv_write", self._names.get(h.peer, "?"), x.nbytes, ok, t0=x.t0)
             if ok:
+                if x.req is not None:
+                    trace.phase(x.req, f"KV write {x.n} done: {x.nbytes / 2**20:.1f} MiB in "
+                                       f"{(time.monotonic() - x.t0) * 1e3:.1f} ms")
                 self.stats["xfers"] += 1
                 self.stats["bytes"] += x.nbytes
                 self.stats["xfer_ms"] += (time.monotonic() - x.t0) * 1e3

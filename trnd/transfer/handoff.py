@@ -24,6 +24,8 @@ class Xfer:
     src: list[int]
     nbytes: int
     t0: float
+    n: int = 0  # the request's write number (1, 2, ...)
+    req: object = None  # the engine's request, for its timeline (engine/trace.py)
 
 
 @dataclass
@@ -39,6 +41,8 @@ class Shipment:
     done: bool = False  # first token sampled and KVDone sent
     aborted: bool = False
     expires: float = 0.0  # decode's wall clock: no write is posted after it (protocol.PrefillReq)
+    hasher: object = None  # the digest of every byte written so far (transfer/digest.py)
+    descriptors: int = 0  # NIXL descriptors posted, after coalescing
 
 
 class Shipped:

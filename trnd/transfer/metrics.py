@@ -15,6 +15,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
+SIZE_BUCKETS = tuple(float(4**k * 1024) for k in range(1, 11))  # 4 KiB .. 1 GiB
 
 
 class TransferMetrics:
@@ -29,6 +31,12 @@ class TransferMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.failures = Counter("trnd:kv_transfer_failures", "KV transfers that failed or were given up.", lbl,
                                 registry=r)
+        # What one posted transfer carried: NIXL's cost is per descriptor, so a handoff's pages coalesced
+        # into few large descriptors (transfer/plan.py) is what these show.
+        self.descriptors = Histogram("trnd:kv_transfer_descriptors", "Descriptors in one posted KV transfer.", lbl,
+                                     buckets=DESCRIPTOR_BUCKETS, registry=r)
+        self.size = Histogram("trnd:kv_transfer_size_bytes", "Bytes in one posted KV transfer.", lbl,
+                              buckets=SIZE_BUCKETS, registry=r)
         self.in_flight = Gauge("trnd:kv_transfers_in_flight", "KV transfers started and not ended.", lbl,
                                registry=r)
         self._lock = threading.Lock()
@@ -60,6 +68,11 @@ class TransferMetrics:
             self.bytes.labels(*self._labels(op, peer)).inc(nbytes)
         else:
             self.failures.labels(*self._labels(op, peer)).inc()
+
+    def posted(self, op: str, peer: str, descriptors: int, nbytes: int) -> None:
+        """One transfer went out: how many descriptors, how many bytes."""
+        self.descriptors.labels(*self._labels(op, peer)).observe(descriptors)
+        self.size.labels(*self._labels(op, peer)).observe(nbytes)
 
     def failed(self, op: str, peer: str) -> None:
         """A transfer that could not even start (the post was refused)."""

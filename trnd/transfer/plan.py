@@ -81,18 +81,47 @@ def _merge(segs: list[Segment]) -> list[Segment]:
 
 def descriptors(plan: list[Segment], src: Layout, dst: Layout, src_base: list[int], dst_base: list[int],
                 src_pages: list[int], dst_pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(addr, len, dev) rows for both sides of one batched transfer: every page, every segment."""
+    """(addr, len, dev) rows for both sides of one batched transfer, segment by segment and within a
+    segment page by page, coalesced: a row that continues the previous one on both sides joins it. Pages the allocator handed out in a run (a fresh pool hands out ascending ids) go as one
+    descriptor per run instead of one per page: NIXL's cost is per descriptor (LMCache PR #4161 saw
+    0.7 GB/s at 1 KiB descriptors against 12-24 GB/s at 64 MiB)."""
+    s, d = page_rows(plan, src, dst, src_base, dst_base, src_pages, dst_pages)
+    return coalesce(*by_segment(s, d, len(plan)))
+
+
+def page_rows(plan: list[Segment], src: Layout, dst: Layout, src_base: list[int], dst_base: list[int],
+              src_pages: list[int], dst_pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Uncoalesced rows, page-major: every segment of the first page, then of the next (the order the
+    digest hashes in, transfer/digest.py: the same however the pages are split into chunks)."""
     sp = np.asarray(src_pages, dtype=np.uint64)
     dp = np.asarray(dst_pages, dtype=np.uint64)
-    srcs, dsts = [], []
-    for g in plan:
-        n = len(sp)
-        s = np.empty((n, 3), dtype=np.uint64)
-        d = np.empty((n, 3), dtype=np.uint64)
-        s[:, 0] = np.uint64(src_base[g.src_rank] + g.src_off) + sp * np.uint64(src.page_bytes(g.src_rank))
-        d[:, 0] = np.uint64(dst_base[g.dst_rank] + g.dst_off) + dp * np.uint64(dst.page_bytes(g.dst_rank))
-        s[:, 1] = d[:, 1] = g.length
-        s[:, 2] = d[:, 2] = 0
-        srcs.append(s)
-        dsts.append(d)
-    return np.concatenate(srcs), np.concatenate(dsts)
+    n, k = len(sp), len(plan)
+    s = np.zeros((n, k, 3), dtype=np.uint64)
+    d = np.zeros((n, k, 3), dtype=np.uint64)
+    for j, g in enumerate(plan):
+        s[:, j, 0] = np.uint64(src_base[g.src_rank] + g.src_off) + sp * np.uint64(src.page_bytes(g.src_rank))
+        d[:, j, 0] = np.uint64(dst_base[g.dst_rank] + g.dst_off) + dp * np.uint64(dst.page_bytes(g.dst_rank))
+        s[:, j, 1] = d[:, j, 1] = g.length
+    return s.reshape(n * k, 3), d.reshape(n * k, 3)
+
+
+def by_segment(src: np.ndarray, dst: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """page_rows' rows reordered segment-major (a segment's pages next to each other: what coalesces
+    when the pages run on both sides, one rank pair after another); k: the plan's segments."""
+    return (src.reshape(-1, k, 3).transpose(1, 0, 2).reshape(-1, 3),
+            dst.reshape(-1, k, 3).transpose(1, 0, 2).reshape(-1, 3))
+
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge each row into the one before it where both sides continue it (same device, addresses
+    adjacent): the bytes and their pairing are unchanged, the descriptor count drops."""
+    if len(src) < 2:
+        return src, dst
+    end_s, end_d = src[:-1, 0] + src[:-1, 1], dst[:-1, 0] + dst[:-1, 1]
+    joins = (src[1:, 0] == end_s) & (dst[1:, 0] == end_d) & (src[1:, 2] == src[:-1, 2]) & (dst[1:, 2] == dst[:-1, 2])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.add.reduceat(src[:, 1], starts)
+    s, d = src[starts].copy(), dst[starts].copy()
+    s[:, 1] = d[:, 1] = lengths
+    return s, d

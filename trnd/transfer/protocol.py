@@ -51,11 +51,12 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     rank_heads: list[tuple[int, int]]  # [start, end) KV heads held by each rank
     page_bytes: int  # one page on one rank
     kv_cache_dtype: str = "auto"  # KV page format (auto: the model dtype; fp8_*: fp8 values + scales)
+    transfer_backend: str = "ucx"  # the NIXL backend that moves the pages (transfer/nixl.py): both ends load the same
 
 
 # Fields that must be equal on both sides, in the order they are reported.
-MUST_MATCH = ("protocol_version", "model_fingerprint", "point", "dtype", "kv_cache_dtype", "num_layers",
-              "num_kv_heads", "head_dim", "page_size", "max_context", "max_batch")
+MUST_MATCH = ("protocol_version", "model_fingerprint", "point", "dtype", "kv_cache_dtype", "transfer_backend",
+              "num_layers", "num_kv_heads", "head_dim", "page_size", "max_context", "max_batch")
 
 
 def mismatch(a: Manifest, b: Manifest) -> str | None:
@@ -129,6 +130,9 @@ class KVDone(msgspec.Struct, tag=True):
     computed_tokens: int  # prompt tokens prefill computed (the rest came from its prefix cache)
     # prefill's cache hits by source (device, host, remote: in prefix order), for decode's cached_tokens
     cached_from: dict[str, int] = {}
+    # xxh3-128 of every byte the writes moved, in prompt-page order (transfer/digest.py); b"": none taken
+    digest: bytes = b""
+    descriptors: int = 0  # NIXL descriptors the writes posted (after coalescing), for decode's timeline
 
 
 class PrefillFailed(msgspec.Struct, tag=True):
