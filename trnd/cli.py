@@ -71,6 +71,9 @@ def _serve_parser(sub) -> None:
                    help="local deployment: the decode server prefills a prompt of at most N uncached tokens "
                         "itself (0: every prompt to the prefill server; default: 1000 while the roles share the "
                         "cores, else 0)")
+    p.add_argument("--transfer-backend", choices=["ucx", "libfabric"],
+                   help="NIXL backend for the KV handoff and L3 (default ucx; libfabric: the EFA path, its tcp "
+                        "provider elsewhere; both roles must name the same)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree: ranks (processes) sharding the model "
                                           "(default 1)")
     p.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
@@ -106,6 +109,9 @@ def _role_flags(p) -> None:
     p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
     p.add_argument("--store", action="append", metavar="HOST:PORT", help="L3: a remote KV store (repeatable)")
     _graph_flags(p)
+    p.add_argument("--transfer-backend", choices=["ucx", "libfabric"],
+                   help="NIXL backend for the KV handoff and L3 (default ucx; libfabric: the EFA path, its tcp "
+                        "provider elsewhere; both roles must name the same)")
     p.add_argument("--core-lock", metavar="FILE",
                    help="roles on one node's cores: hold this file's lock per forward pass, taking turns "
                         "(the same FILE in each; engine/corelock.py)")
@@ -195,6 +201,16 @@ def _bench_parser(sub) -> None:
     d.add_argument("--reps", type=int, default=3)
     d.add_argument("--kv-memory-gb", type=float, default=2.0)
     d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--prompt-tokens", metavar="N[,N...]", help="prompt lengths for TTFT (as --lengths)")
+    d.add_argument("--netns", action="store_true",
+                   help="prefill in its own network namespace behind a shaped veth pair (needs root and iproute2; "
+                        "bench/link.py): the handoff crosses a real link, made and removed by the run")
+    d.add_argument("--rate", default="1gbit", help="with --netns: the link's rate, as tc takes it (default 1gbit)")
+    d.add_argument("--delay-ms", type=float, default=0.2, help="with --netns: one-way delay where netem exists")
+    d.add_argument("--loss", type=float, default=0.0, metavar="PCT", help="with --netns: packets dropped, percent")
+    d.add_argument("--transfer-backend", choices=["ucx", "libfabric"], default="ucx")
+    d.add_argument("--dtype", default=None, help="the roles' and the aggregated server's dtype (default auto)")
+    d.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_e4m3 (default: the model dtype)")
     g = bsub.add_parser("grammar", help="decode tok/s with and without a json_schema on every request")
     g.add_argument("--model", default="small", help="model dir or preset (default small)")
     g.add_argument("--batch", type=int, default=8)

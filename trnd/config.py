@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -16,6 +16,7 @@ from msgspec import Meta
 Port = Annotated[int, Meta(ge=0, le=65535)]
 Positive = Annotated[int, Meta(ge=1)]
 PageSize = Annotated[int, Meta(ge=1, le=4096)]
+TransferBackend = Literal["ucx", "libfabric"]
 
 
 class ConfigError(ValueError):
@@ -94,6 +95,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # roles/decode.py's LOCAL_PREFILL_SHARED_CORES where the roles take turns on this node's cores (core_lock
     # set), else 0.
     local_prefill_tokens: Annotated[int, Meta(ge=0)] | None = None
+    # The NIXL backend that moves KV pages between roles and to L3 stores: "ucx", or "libfabric" (EFA's
+    # path; its tcp provider elsewhere). Both ends must name the same one (the handshake refuses a
+    # mismatch); transfer/backends.py says what libfabric needs.
+    transfer_backend: TransferBackend = "ucx"
 
     def __post_init__(self):
         _check_common(self)
@@ -217,6 +222,7 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     compile_cache: str | None = None  # a `trnd compile` output dir: its graphs are loaded, none compiled (implies static)
     compile_decode: bool = False  # as ServeConfig.compile_decode
     core_lock: str | None = None  # as ServeConfig.core_lock
+    transfer_backend: TransferBackend = "ucx"  # as ServeConfig.transfer_backend
 
     def __post_init__(self):
         _check_common(self)
@@ -250,6 +256,9 @@ class DecodeConfig(ServeConfig, kw_only=True):
     # A request's KV must have landed this long after it was sent to a prefill peer, or it fails with
     # 504; prefill posts no write for it after that (roles/decode.py, transfer/protocol.PrefillReq).
     handoff_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
+    # A prompt whose KV would take longer to cross the link to a prefill peer than to compute is computed here
+    # (the link's rate and the peer's compute measured on earlier handoffs: transfer/linkrate.py).
+    local_when_link_slower: bool = True
 
     resolved_secret = RoleConfig.resolved_secret
 
@@ -314,6 +323,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     api_key_file: str | None = None
     log_level: str = "info"
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 2.0
+    transfer_backend: TransferBackend = "ucx"  # the clients' (ServeConfig.transfer_backend): NIXL pairs like ends only
 
     def __post_init__(self):
         _check_common(self)

@@ -71,6 +71,7 @@ class EngineConfig:
     point: str | None = None  # decode point whose buckets the static path uses; None: derived from this config
     compiler: str | None = None  # the static path's torch.compile backend; None: static.COMPILERS for the device
     core_lock: str | None = None  # a file the roles sharing this node's cores lock per forward (engine/corelock.py)
+    transfer_backend: str = "ucx"  # the NIXL backend of this process's agent (transfer/backends.py)
     compile_decode: bool = False  # decode-only steps through one inductor graph (engine/compiled.py); CPU
 
     def __post_init__(self):
@@ -209,7 +210,7 @@ class Engine:
 
             from trnd.transfer.nixl import KVAgent
 
-            self._agent = KVAgent(f"{self.cfg.role}-{uuid.uuid4().hex[:8]}", self.pools)
+            self._agent = KVAgent(f"{self.cfg.role}-{uuid.uuid4().hex[:8]}", self.pools, self.cfg.transfer_backend)
         return self._agent
 
     def layout(self):

@@ -16,7 +16,8 @@ from trnd.engine.request import Req
 
 log = logging.getLogger("trnd.request")
 
-MAX_PHASES = 32  # per request (a request preempted over and over keeps its first ones)
+MAX_PHASES = 128  # per request (a request preempted over and over keeps its first ones); a 64K prompt
+#                   handed off in 2048-token chunks is ~70: each write posted and done, the digest, the first token
 
 
 def phase(req: Req, what: str) -> None:

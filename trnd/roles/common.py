@@ -67,7 +67,8 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
                                  store=list(cfg.store), store_secret=secret, store_on_finish=cfg.store_on_finish,
                                  store_deadline_s=cfg.store_deadline_s, role=role, static=static,
                                  point=point.name if static else None, compiler=compiler,
-                                 core_lock=cfg.core_lock, compile_decode=cfg.compile_decode))
+                                 core_lock=cfg.core_lock, compile_decode=cfg.compile_decode,
+                                 transfer_backend=cfg.transfer_backend))
     log.info(point_capacity(engine, point).line())
     if static and cache is None:
         log.info("static path without a compile cache: each bucket is compiled on its first use (`trnd compile` "
@@ -105,7 +106,7 @@ def manifest(engine: Engine, point: DecodePoint, role: str, model_name: str) -> 
                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=point.page_size,
                     point=point.name, max_context=point.max_context, max_batch=point.max_batch, tp=engine.tp.size,
                     rank_heads=rank_heads(engine), page_bytes=engine.runner.page_bytes,
-                    kv_cache_dtype=engine.cfg.kv_cache_dtype)
+                    kv_cache_dtype=engine.cfg.kv_cache_dtype, transfer_backend=engine.cfg.transfer_backend)
 
 
 def layout_from(m: Manifest) -> Layout:

@@ -32,6 +32,7 @@ from trnd.transfer import digest
 from trnd.transfer import protocol as P
 from trnd.transfer.plan import make_plan, page_rows
 from trnd.transfer.handoff import Awaited
+from trnd.transfer.linkrate import LinkEstimate
 
 log = logging.getLogger("trnd.decode")
 
@@ -52,6 +53,7 @@ class PrefillPeer:
     load: int = 0
     last_seen: float = 0.0
     plan: list | None = None  # how its pages map onto ours (transfer/plan.py): what the digest walks
+    link: LinkEstimate = field(default_factory=LinkEstimate)  # its link's rate and its compute (linkrate.py)
     refused: str | None = None  # why the last handshake was refused
     error: str | None = None
     connects: int = 0
@@ -283,6 +285,14 @@ class DecodeServer:
                              f"{self.local_prefill_tokens}")
             return None
         peer = self._pick()
+        slow = peer is not None and self.cfg.local_when_link_slower and peer.link.slower_than_recompute(
+            uncached, self.engine.runner.page_bytes * self.engine.tp.size // self.point.page_size)
+        if slow:
+            self.stats["local_for_link"] += 1
+            trace.phase(req, f"prefilled here: moving {uncached} tokens' KV from {peer.addr} would take "
+                             f"~{slow[0]:.2f} s at {peer.link.bytes_per_s / 1e6:.0f} MB/s, computing them "
+                             f"~{slow[1]:.2f} s (local_when_link_slower)")
+            return None
         if peer is None:
             reasons = "; ".join(f"{p.addr}: {p.refused or p.error or 'connecting'}" for p in self.peers)
             return FromPrefill(self, req, Unavailable(f"no prefill server available ({reasons})"))
@@ -317,6 +327,10 @@ class DecodeServer:
                               if ok else 0, ok=ok, key=req.rid)
         if ok:
             m = a.done
+            peer = self._peer(a.peer)
+            if peer is not None:
+                peer.link.observe(len(a.target) * self.engine.runner.page_bytes * self.engine.tp.size, a.notifs,
+                                  a.first_notif, a.last_notif, m.computed_tokens, m.prefill_s)
             trace.phase(req, f"KV received from {a.peer}: {req.num_prompt - req.num_cached} tokens written, "
                              f"{m.computed_tokens} computed there, its cache hits {m.cached_from}")
             self.stats["kv_pages_received"] += len(a.target)
@@ -373,7 +387,7 @@ class DecodeServer:
         for _agent, msgs in self.agent.notifs().items():
             for m in msgs:
                 rid, _, _ = m.decode(errors="replace").rpartition("|")
-                self.awaited.notified(rid)
+                self.awaited.notified(rid, time.monotonic())
         now = time.monotonic()
         for a in self.awaited.overdue(now):  # stalled: fail it now, hold its pages until the peer's word
             log.warning("handoff of %s: %s", a.rid, a.reason)
@@ -430,6 +444,9 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
     from trnd.model.maker import resolve_model
     from trnd.procs import bind_port
 
+    from trnd.transfer.backends import prepare
+
+    prepare(cfg.transfer_backend)  # a backend that cannot load here: one line, exit 78, before the load
     sock = bind_port(cfg.host, cfg.port, "port")  # another process on it: one line, exit 1, before the load
     with Lifecycle("decode", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)

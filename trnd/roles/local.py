@@ -75,6 +75,7 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
         secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
     role = {"model": model, "point": cfg.point, "dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype,
+            "transfer_backend": cfg.transfer_backend,
             "backend": cfg.backend, "tp": cfg.tp,
             "kv_memory_gb": cfg.kv_memory_gb, "prefix_cache": cfg.prefix_cache, "threads": cfg.threads,
             "secret_file": str(secret), "log_level": cfg.log_level, "host_cache_gb": cfg.host_cache_gb,

@@ -224,7 +224,8 @@ class PrefillServer:
             self.engine.abort(local)
             self._send(peer, P.PrefillFailed(m.rid, "the request reached prefill after its handoff deadline"))
             return
-        self.handoffs.add(local, m.rid, peer.id, m.skip_pages, m.dst_pages).expires = m.expires
+        h = self.handoffs.add(local, m.rid, peer.id, m.skip_pages, m.dst_pages)
+        h.expires, h.t_start = m.expires, time.monotonic()
         peer.requests += 1
         self.stats["requests"] += 1
 
@@ -285,7 +286,8 @@ class PrefillServer:
         self._send_to(h.peer, P.KVDone(h.rid, out.token_ids[0], lp.logprob if lp else None,
                                        [tuple(t) for t in lp.top] if lp else None, h.num_xfers,
                                        out.prompt_tokens - out.cached_tokens, out.cached_from or {},
-                                       h.hasher.digest() if h.hasher is not None else b"", h.descriptors))
+                                       h.hasher.digest() if h.hasher is not None else b"", h.descriptors,
+                                       time.monotonic() - h.t_start))
         h.done = True
         self._settle(out.rid)
 
@@ -383,6 +385,9 @@ def run(cfg: PrefillConfig, reload_source=None) -> int:
     from trnd.model.maker import resolve_model
     from trnd.procs import bind_port
 
+    from trnd.transfer.backends import prepare
+
+    prepare(cfg.transfer_backend)  # a backend that cannot load here: one line, exit 78, before the load
     # Both ports before the load: another process on either is one line and exit 1 in a second.
     control = bind_port(cfg.host, cfg.control_port, "control_port")
     admin_sock = bind_port(cfg.host, cfg.admin_port, "admin_port")

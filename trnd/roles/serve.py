@@ -19,6 +19,10 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
     from trnd.engine.loop import EngineLoop
     from trnd.roles.runtime import http_server, run_async
 
+    if not cfg.aggregated or cfg.store:
+        from trnd.transfer.backends import prepare
+
+        prepare(cfg.transfer_backend)  # one line here, not one per child
     if not cfg.aggregated:
         from trnd.model.config import ModelConfig
         from trnd.roles import local
@@ -50,7 +54,7 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
                                  node_host_memory_gb=cfg.node_host_memory_gb, store=list(cfg.store),
                                  store_secret=cfg.resolved_secret_optional(), store_on_finish=cfg.store_on_finish,
                                  store_deadline_s=cfg.store_deadline_s, static=cfg.static, core_lock=cfg.core_lock,
-                                 compile_decode=cfg.compile_decode))
+                                 compile_decode=cfg.compile_decode, transfer_backend=cfg.transfer_backend))
         try:
             life.status("warming up")
             log.info("warm-up took %.2f s", warm_up(engine))

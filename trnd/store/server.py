@@ -73,7 +73,7 @@ class StoreServer:
         self.region = torch.empty(self.memory_bytes, dtype=torch.uint8)
         self.mem = self.region.numpy()
         self.store_id = uuid.uuid4().hex[:12]
-        self.agent = KVAgent(f"store-{self.store_id}", [self.region])
+        self.agent = KVAgent(f"store-{self.store_id}", [self.region], cfg.transfer_backend)
         self.index: StoreIndex | None = None  # made when the first client fixes the slot size
         self.slot_bytes = 0
         self.shape_from: str | None = None  # key space of the client that fixed the slot size

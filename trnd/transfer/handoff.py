@@ -43,6 +43,7 @@ class Shipment:
     expires: float = 0.0  # decode's wall clock: no write is posted after it (protocol.PrefillReq)
     hasher: object = None  # the digest of every byte written so far (transfer/digest.py)
     descriptors: int = 0  # NIXL descriptors posted, after coalescing
+    t_start: float = 0.0  # when prefill took the request (KVDone.prefill_s)
 
 
 class Shipped:
@@ -120,6 +121,8 @@ class Awaiting:
     target: list[int]
     sent_at: float
     notifs: int = 0  # chunk writes that landed (NIXL notifications)
+    first_notif: float = 0.0  # when the first and the latest of them were seen (the link's pace: transfer/linkrate.py)
+    last_notif: float = 0.0
     done: object = None  # transfer/protocol.py KVDone: the first token and how many writes to expect
     deadline: float = 0.0  # the handoff must have landed by then (0: none); no write is posted after it
     fenced: bool = False  # aborted here while a write may land: wait for the peer's Aborted
@@ -141,10 +144,12 @@ class Awaited:
         a = self.entries[rid] = Awaiting(rid, peer, target, now, deadline=deadline)
         return a
 
-    def notified(self, rid: str) -> None:
+    def notified(self, rid: str, now: float = 0.0) -> None:
         a = self.entries.get(rid)
         if a is not None:
             a.notifs += 1
+            a.first_notif = a.first_notif or now
+            a.last_notif = now
 
     def kv_done(self, rid: str, msg) -> None:
         a = self.entries.get(rid)

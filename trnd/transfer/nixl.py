@@ -1,4 +1,5 @@
-"""KVAgent: one NIXL agent per role process (UCX backend), with every rank's KV pool registered.
+"""KVAgent: one NIXL agent per role process (UCX or LIBFABRIC backend: transfer/backends.py), with
+every rank's KV pool registered.
 
 Moves page bytes by address and knows no pool semantics. On this CPU build NIXL moves DRAM to DRAM
 between processes (and across hosts over UCX/TCP); on Trainium the same calls move device memory.
@@ -87,13 +88,19 @@ def bind_for(listen_host: str | None, peers: list[str] = ()) -> None:
     stores); when they are not all one interface (or the address is a wildcard), UCX is left alone.
     Must run before the process's first agent is made; an operator's UCX_NET_DEVICES wins."""
     want = ([interface_of(listen_host)] if listen_host is not None else []) + [interface_toward(p) for p in peers]
-    if want and None not in want and len(set(want)) == 1 and "UCX_NET_DEVICES" not in os.environ:
-        os.environ["UCX_NET_DEVICES"] = want[0]
+    if want and None not in want and len(set(want)) == 1:
+        os.environ.setdefault("UCX_NET_DEVICES", want[0])
+        if want[0] != "lo":  # libfabric's tcp provider: the same one interface (it skips loopback itself)
+            os.environ.setdefault("FI_TCP_IFACE", want[0])
 
 
-def _nixl_agent(name: str):
+def _nixl_agent(name: str, backend: str = "ucx"):
     os.environ.setdefault("UCX_MODULES", UCX_MODULES_DEFAULT)  # read when UCX loads, with the first agent
     import nixl._api as api
+
+    from trnd.transfer.backends import nixl_name, prepare
+
+    prepare(backend)  # a backend that cannot load: BackendUnavailable, one line
 
     base = api.nixlBind.nixlAgentConfig
 
@@ -104,16 +111,17 @@ def _nixl_agent(name: str):
     with _make_lock:  # the binding is looked up while the agent is made; restore it right after
         api.nixlBind.nixlAgentConfig = _Config
         try:
-            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+            return api.nixl_agent(name, api.nixl_agent_config(backends=[nixl_name(backend)]))
         finally:
             api.nixlBind.nixlAgentConfig = base
 
 
 class KVAgent:
-    def __init__(self, name: str, pools: list[torch.Tensor]):
+    def __init__(self, name: str, pools: list[torch.Tensor], backend: str = "ucx"):
         logging.getLogger("NIXL").setLevel(logging.WARNING)
         self.name = name
-        self.agent = _nixl_agent(name)
+        self.backend = backend
+        self.agent = _nixl_agent(name, backend)
         self.pools = pools
         self._lock = threading.RLock()
         self._reg = [self.agent.register_memory(p.view(torch.uint8)) for p in pools]  # any KV dtype, as bytes

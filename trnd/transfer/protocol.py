@@ -133,6 +133,7 @@ class KVDone(msgspec.Struct, tag=True):
     # xxh3-128 of every byte the writes moved, in prompt-page order (transfer/digest.py); b"": none taken
     digest: bytes = b""
     descriptors: int = 0  # NIXL descriptors the writes posted (after coalescing), for decode's timeline
+    prefill_s: float = 0.0  # prefill's time from taking the request to its first token (transfer/linkrate.py)
 
 
 class PrefillFailed(msgspec.Struct, tag=True):
