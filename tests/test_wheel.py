@@ -18,8 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from trnd.bench.serve_compare import trnd_under_test
-from trnd.bench.servers import Ctx
+from trnd.bench.serve_compare import describe_trnd
 from trnd_kernels.cpu import build as kernel_build
 from trnd_kernels.cpuinfo import cpu_info
 from tests.procs import free_port, stop, wait_ready
@@ -76,8 +75,9 @@ def test_installed_outside_the_checkout_it_loads_its_kernels_and_serves(installe
     lines = where.stdout.split()
     assert all(Path(p).is_relative_to(installed) for p in lines[:2]), lines  # the wheel's, not the checkout's
     assert lines[2] == "None"  # nothing of ours answers `import kernels`
-    measured = trnd_under_test(Ctx("m", "peer", "w", tmp_path, 1, None, trnd_py=str(installed / "bin/python")))
-    assert measured.startswith(f"the installed package 0.1.0 ({installed}"), measured  # what serve-compare says
+    measured = describe_trnd(str(installed / "bin/python"))  # what serve-compare's table says it measured
+    assert measured.startswith(f"the installed package 0.1.0 ({installed}") and "cpu kernels: trnd_avx" in measured, \
+        measured
     check = _run([str(installed / "bin/trnd"), "check", "cpu"], cwd=tmp_path, env=env)
     if cpu_info().isa == "default":
         pytest.skip(f"no AVX2 + FMA here ({cpu_info().summary()}): the wheel's kernels cannot run")

@@ -22,7 +22,9 @@ SERVERS = {"trnd-agg": "trnd aggregated", "trnd-disagg": "trnd disaggregated", "
            # the same servers with --compile-decode (engine/compiled.py): not in the default run
            "trnd-agg-compiled": "trnd aggregated, compiled decode", "trnd-disagg-compiled": "trnd disagg., compiled decode",
            # the pair with every prompt handed to the prefill server (--local-prefill-tokens 0)
-           "trnd-disagg-remote": "trnd disagg., every prompt remote"}
+           "trnd-disagg-remote": "trnd disagg., every prompt remote",
+           # trnd installed from its wheel into --trnd-venv (docs/DEPLOY.md), not this checkout
+           "trnd-agg-installed": "trnd aggregated, installed", "trnd-disagg-installed": "trnd disagg., installed"}
 DEFAULT_SERVERS = ("trnd-agg", "trnd-disagg", "vllm")
 
 

@@ -46,8 +46,8 @@ def add_arguments(p) -> None:
                    help="measure every server this many times (even rounds in reverse order) and report each "
                         "cell's best round: a shared machine's noise only slows runs down")
     p.add_argument("--trnd-venv", default=os.environ.get("TRND_VENV"),
-                   help="a virtual environment with trnd installed (the wheel, as docs/DEPLOY.md installs it): "
-                        "measure that trnd instead of this checkout's (default $TRND_VENV)")
+                   help="a virtual environment with trnd installed (the wheel, as docs/DEPLOY.md installs it): what "
+                        "the `-installed` servers run; the others run this checkout (default $TRND_VENV)")
     p.add_argument("--threads", type=int, help="compute threads for every server (default: all cores)")
     p.add_argument("--profile-s", type=float, default=10.0,
                    help="py-spy seconds on trnd's decode-step process under max concurrency (0: no profile)")
@@ -112,19 +112,25 @@ def measure(ctx: Ctx, key: str, concs: list[int], info: dict, rnd: int, profiles
 
 
 def trnd_under_test(ctx: Ctx) -> str:
-    """Which trnd the run measures, for the table: an installed wheel or this checkout, and its kernels."""
+    """Which trnd the run measures, for the table: this checkout, and the installed one where the run has
+    `-installed` servers; each with its kernels."""
+    return "; ".join(describe_trnd(py) for py in (sys.executable, ctx.installed_py) if py)
+
+
+def describe_trnd(py: str) -> str:
+    """The trnd `py -P -m trnd` runs: an installed package or a checkout (an editable install), and its kernels."""
     code = ("import trnd, trnd_kernels.cpu as k, importlib.metadata as m, pathlib; p = pathlib.Path(trnd.__file__); "
             "d = m.distribution('trnd'); "
             "e = (d.read_text('direct_url.json') or ''); "
             "print(('checkout ' + str(p.parent.parent)) if 'editable' in e else ('installed ' + str(p.parent)), "
             "d.version, '|', k.kernels_status().line())")
-    r = subprocess.run([ctx.trnd_py, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([py, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         return f"? ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})"
     where, kernels = r.stdout.strip().split(" | ", 1)
     kind, path, version = where.split(" ", 2)
     what = f"the installed package {version} ({path})" if kind == "installed" else f"this checkout ({path})"
-    return f"{what}; {kernels}"
+    return f"{what}, {kernels}"
 
 
 def best_of(runs: dict[str, dict[int, list[dict]]]) -> dict[str, dict[int, dict]]:
@@ -165,10 +171,11 @@ def main(args) -> int:
     wrapper = out / "vllm_wrapper.py"
     wrapper.write_text(WRAPPER)
     ctx = Ctx(model, peer_py, str(wrapper), out, args.threads or os.cpu_count() or 1, args)
-    if args.trnd_venv:
-        ctx.trnd_py = str(Path(args.trnd_venv) / "bin" / "python")
-        if not Path(ctx.trnd_py).exists():
-            print(f"trnd bench serve-compare: no venv at {args.trnd_venv} (--trnd-venv)", file=sys.stderr)
+    if any(k.endswith("-installed") for k in keys):
+        ctx.installed_py = str(Path(args.trnd_venv or "") / "bin" / "python")
+        if not args.trnd_venv or not Path(ctx.installed_py).exists():
+            print(f"trnd bench serve-compare: the -installed servers need --trnd-venv (or TRND_VENV), a venv with "
+                  f"trnd installed (got {args.trnd_venv!r})", file=sys.stderr)
             return 2
     facts = machine_facts()
     info = {"model": model, "peer": peer_versions(peer_py), "torch": torch.__version__, "load": {}, "ready_s": {},

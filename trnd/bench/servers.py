@@ -175,15 +175,15 @@ class Ctx:
     threads: int
     args: object
     commands: list[str] = field(default_factory=list)
-    trnd_py: str = sys.executable  # the Python whose trnd is measured: this checkout's, or an installed venv's
+    installed_py: str | None = None  # the Python of a venv with trnd installed (the `-installed` servers)
 
     def vllm(self) -> list[str]:
         return [self.peer_py, self.wrapper]
 
-    def trnd(self) -> list[str]:
-        """`python -P -m trnd`: -P keeps the working directory off sys.path, so an installed trnd is measured
-        even when the run starts in a checkout."""
-        return [self.trnd_py, "-P", "-m", "trnd"]
+    def trnd(self, installed: bool = False) -> list[str]:
+        """`python -P -m trnd` of this checkout or of the installed venv: -P keeps the working directory off
+        sys.path, so an installed trnd is what runs even when the run starts in a checkout."""
+        return [self.installed_py if installed else sys.executable, "-P", "-m", "trnd"]
 
 
 def peer_dtype() -> str:
@@ -201,7 +201,8 @@ def make_server(key: str, ctx: Ctx, rnd: int = 1) -> Server:
     if key == "trnd-disagg-roles":
         return roles_server(ctx, port, env, rnd)
     if key.startswith("trnd"):
-        cmd = [*ctx.trnd(), "serve", "--model", ctx.model, "--host", "127.0.0.1", "--port",
+        cmd = [*ctx.trnd(installed=key.endswith("-installed")), "serve", "--model", ctx.model, "--host", "127.0.0.1",
+               "--port",
                str(port), "--no-prefix-cache", "--threads", str(ctx.threads)]
         if key.startswith("trnd-agg"):
             cmd.append("--aggregated")
@@ -253,8 +254,8 @@ def shown(cmd: list[str], env: dict[str, str] | None = None, ctx: Ctx | None = N
         for path, var in ((ctx.wrapper, "vllm_wrapper.py"), (str(ctx.out), "$RESULTS"), (ctx.model, "$MODEL"),
                           (str(Path(ctx.peer_py).parent.parent), "$PEER")):
             line = line.replace(path, var)
-        if ctx.trnd_py != sys.executable:
-            line = line.replace(str(Path(ctx.trnd_py).parent.parent), "$TRND")
+        if ctx.installed_py:
+            line = line.replace(str(Path(ctx.installed_py).parent.parent), "$TRND")
     return line.replace(sys.executable, "python")
 
 
