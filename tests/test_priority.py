@@ -132,3 +132,11 @@ def test_the_api_field_reaches_the_engine_request():
         assert e.param == "priority"
     else:
         raise AssertionError("a priority beyond int64 was accepted")
+
+
+def test_req_ids_is_a_slice_of_all_ids():
+    r = Req([1, 2, 3, 4], SamplingParams())
+    r.output_ids += [5, 6]
+    for a in range(7):
+        for b in range(a, 8):
+            assert r.ids(a, b) == r.all_ids[a:b]

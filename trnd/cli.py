@@ -236,6 +236,15 @@ def _bench_parser(sub) -> None:
     lc = bsub.add_parser("longctx", help="the long-context curve on the 1m point: prefill tok/s by context and the "
                                          "decode step there (tiny model, RoPE scaled to the point)")
     longctx.add_arguments(lc)
+    from trnd.bench import preempt
+
+    pr = bsub.add_parser("preempt", help="a preempted request's resume from L2 against recompute, at one context")
+    preempt.add_arguments(pr)
+    from trnd.bench import million
+
+    mi = bsub.add_parser("million", help="one request at 1,048,576 tokens of context through the 1m point: prefill, "
+                                         "handoff, decode, reload from L2, each phase's time and memory")
+    million.add_arguments(mi)
     from trnd.bench import agentic
 
     ag = bsub.add_parser("agentic", help="agent sessions at growing context (AgentX's shape) replayed against any "

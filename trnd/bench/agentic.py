@@ -25,7 +25,7 @@ from trnd.bench import cpu_line
 from trnd.bench.replay import model_name, replay
 from trnd.bench.sessions import Shape, describe, make_sessions
 
-SERVERS = ("trnd-pd", "trnd-agg", "vllm")
+SERVERS = ("trnd-pd", "trnd-agg", "vllm", "vllm-offload", "vllm-pool")
 COLUMNS = (("requests_per_min", "requests/min", "{:.1f}"), ("tokens_per_min", "tokens/min", "{:.0f}"),
            ("decode_tps_user_p50", "decode tok/s per user p50", "{:.1f}"),
            ("ttft_cached_p50_s", "first token cached p50 (s)", "{:.3f}"),
@@ -51,10 +51,10 @@ def add_arguments(p) -> None:
     p.add_argument("--answer-tokens", type=int, default=s.answer_tokens)
     p.add_argument("--think-s", type=float, default=s.think_s)
     p.add_argument("--max-context", type=int, default=8000, help="a session stops growing here (the 8k point)")
-    p.add_argument("--kv-memory-gb", type=float, default=0.15,
+    p.add_argument("--kv-memory-gb", type=float, default=0.6,
                    help="device KV budget of every side (below the sessions' working set)")
-    p.add_argument("--host-gb", type=float, default=1.0, help="L2 / CPU offload budget of every side")
-    p.add_argument("--store-gb", type=float, default=1.0, help="trnd-pd's L3 store")
+    p.add_argument("--host-gb", type=float, default=1.5, help="L2 / CPU offload budget of every side")
+    p.add_argument("--store-gb", type=float, default=1.5, help="trnd-pd's L3 store")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--peer-venv", default=os.environ.get("TRND_PEER_VENV", "/work/peers/vllm"))
     p.add_argument("--out-dir", help="server logs and the JSON results (default: a new temp dir)")
@@ -72,17 +72,17 @@ def table(results: dict[str, dict]) -> str:
     out = ["| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for key, label, f in COLUMNS:
         cells = [f.format(results[n][key]) if results[n].get(key) is not None else "-" for n in names]
+        if key == "completed":
+            cells = [c if results[n].get("requests") else "did not start" for c, n in zip(cells, names)]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
-def ratios(results: dict[str, dict], peer: str = "vllm") -> list[str]:
-    """The Targets' ratios of each trnd side against the peer."""
-    if peer not in results:
-        return []
-    v, out = results[peer], []
-    for n, r in results.items():
-        if n == peer:
+def ratios(results: dict[str, dict]) -> list[str]:
+    """The Targets' ratios of each trnd side against each vLLM side that ran."""
+    out = []
+    for (n, r), (peer, v) in ((a, b) for a in results.items() for b in results.items()):
+        if not n.startswith("trnd") or not peer.startswith("vllm") or not v.get("requests"):
             continue
         parts = []
         for key, label in (("ttft_cached_p50_s", "first token cached"), ("tokens_per_min", "tokens/min"),
@@ -91,6 +91,21 @@ def ratios(results: dict[str, dict], peer: str = "vllm") -> list[str]:
                 parts.append(f"{label} {r[key] / v[key]:.2f}x")
         out.append(f"{n} / {peer}: " + ", ".join(parts))
     return out
+
+
+def server_state(key: str, port: int) -> dict | None:
+    """What a trnd server says it did (its /admin/state: the engine's counters, the tiers'), to explain the
+    client's figures; behind the router, each decode server's."""
+    import httpx
+
+    if not key.startswith("trnd"):
+        return None
+    st = httpx.get(f"http://127.0.0.1:{port}/admin/state", timeout=30).json()
+    engines = [st] if st.get("stats") else [httpx.get(f"http://{p['addr']}/admin/state", timeout=30).json()
+                                           for p in st.get("peers") or [] if p.get("kind") == "decode"]
+    keep = ("prefill_tokens", "cached_tokens", "loaded_tokens", "preemptions", "finished")
+    return {"engines": [{**{k: (e.get("stats") or {}).get(k) for k in keep},
+                         "host": ((e.get("tiers") or {}).get("host") or {}).get("loaded")} for e in engines]}
 
 
 def main(args) -> int:
@@ -121,15 +136,26 @@ def main(args) -> int:
     results, bad = {}, {}
     for key in args.servers.split(","):
         srv = start_server(key, model, args, out)
+        state = None
         try:
             print(f"  {key}: {srv.display or ' '.join(srv.cmd)}", flush=True)
             print(f"  {key}: ready in {srv.wait_ready(args.ready_timeout):.0f} s", flush=True)
             res = asyncio.run(replay(f"http://127.0.0.1:{srv.port}", srv.model_name, sessions))
+            state = server_state(key, srv.port)
+        except RuntimeError as e:  # it did not start: a row that says why, and the next server
+            log = srv.log.read_text(errors="replace").splitlines() if srv.log.exists() else []
+            why = next((ln.split("Error: ", 1)[1] for ln in log if "Error: " in ln), str(e).splitlines()[0])
+            print(f"  {key}: did not start: {why}", flush=True)
+            bad[key] = [f"did not start: {why}"]
+            results[key] = {"completed": 0}
+            continue
         finally:
             srv.stop()
         results[key] = res.summary()
         bad[key] = res.problems()
-        (out / f"{key}.json").write_text(json.dumps({"summary": results[key], "problems": bad[key],
+        if state:
+            print(f"  {key}: server side: {json.dumps(state)}", flush=True)
+        (out / f"{key}.json").write_text(json.dumps({"summary": results[key], "problems": bad[key], "server": state,
                                                      "rows": [r.__dict__ for r in res.rows]}, indent=1))
         print(f"  {key}: {json.dumps(results[key])}", flush=True)
         for p in bad[key][:10]:

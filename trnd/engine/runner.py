@@ -41,7 +41,7 @@ def prepare(batch: Batch, page_size: int) -> tuple[StepInputs, list[Req]]:
     ids, pos, page_ids, offsets, rows, sampled = [], [], [], [], [], []
     for req in batch.decode:
         t = req.num_computed
-        ids.append(req.all_ids[t])
+        ids += req.ids(t, t + 1)
         pos.append(t)
         page_ids.append(req.pages[t // p])
         offsets.append(t % p)
@@ -54,7 +54,7 @@ def prepare(batch: Batch, page_size: int) -> tuple[StepInputs, list[Req]]:
     for req, n in batch.prefill:
         start, end = req.num_computed, req.num_computed + n
         q_start = len(ids)
-        ids += req.all_ids[start:end]
+        ids += req.ids(start, end)
         pos += range(start, end)
         page_ids += [req.pages[t // p] for t in range(start, end)]
         offsets += [t % p for t in range(start, end)]
