@@ -211,7 +211,7 @@ def test_stats():
     radix.match([7, 8, 9])  # 0 of 3
     s = radix.stats()
     assert s == {"cached_pages": 3, "evictable_pages": 1, "protected_pages": 2, "hit_tokens": 4,
-                 "query_tokens": 8, "hit_rate": 0.5, "evicted_pages": 0, "nodes": 2}
+                 "query_tokens": 8, "hit_rate": 0.5, "evicted_pages": 0, "nodes": 2, "salts": 0}
     radix.evict(1)
     assert radix.stats()["evicted_pages"] == 1 and radix.stats()["nodes"] == 1
 
@@ -369,3 +369,32 @@ class CacheMachine(RuleBasedStateMachine):
 CacheMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=50, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 test_cache_machine = CacheMachine.TestCase
+
+
+def test_salts_never_share_a_page_and_a_salt_root_goes_with_its_last_page():
+    """cache_salt (http/tenant.py): each salt its own tree and hash chain; nothing crosses."""
+    pool = PagePool(16)
+    radix = RadixCache(pool, 2, namespace="m")
+    ids = [1, 2, 3, 4, 5, 6]
+    a, b = pool.alloc(3), pool.alloc(3)
+    assert radix.insert(ids, a, salt="tenant-a") == 0
+    assert radix.match(ids).pages == []  # the shared space has nothing
+    assert radix.match(ids, salt="tenant-b").pages == []
+    assert radix.match(ids, salt="tenant-a").pages == a
+    assert radix.insert(ids, b, salt="tenant-b") == 0  # not "already cached": b's own pages
+    assert radix.match(ids, salt="tenant-b").pages == b
+    ha = radix.hashes_for(radix.match(ids, salt="tenant-a").node)
+    hb = radix.hashes_for(radix.match(ids, salt="tenant-b").node)
+    assert set(ha).isdisjoint(hb) and ha == page_hashes(ids, 2, "m", salt="tenant-a")
+    assert set(ha).isdisjoint(page_hashes(ids, 2, "m"))
+    assert radix.stats()["salts"] == 2
+    pool.unref(a + b)
+    radix.check_integrity()
+    m = radix.match(ids, salt="tenant-a")
+    radix.lock(m.node)
+    assert radix.evict(16) == 3  # b's pages only: a's are locked
+    assert "tenant-b" not in radix.roots and radix.match(ids, salt="tenant-b").pages == []
+    radix.unlock(m.node)
+    radix.check_integrity()
+    assert radix.evict(16) == 3 and radix.roots == {} and radix.num_cached_pages == 0
+    radix.check_integrity()

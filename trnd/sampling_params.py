@@ -34,6 +34,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     grammar: GrammarSpec | None = None  # structured output (engine/grammar.py)
     priority: int = 0  # vLLM's field: lower is served first (engine/scheduler.py: admission, preemption)
+    # The tenant's key space in every cache tier (cache/hashing.py): the API sets it from vLLM's `cache_salt`
+    # and the API key (http/tenant.py); None: the shared space. Travels to prefill in PrefillReq.params.
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:

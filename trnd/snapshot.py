@@ -54,6 +54,7 @@ class Radix(_S):
     hit_rate: float = 0.0
     evicted_pages: int = 0
     nodes: int = 0
+    salts: int = 0  # cache salts (tenants: http/tenant.py) with pages in this cache, beside the shared space
 
 
 class LoadMs(_S):

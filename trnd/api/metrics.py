@@ -66,6 +66,9 @@ class Metrics:
                                         "found, not computed, by source: device (this server's prefix cache), host "
                                         "(L2), remote (L3 store), prefill (a prefill peer's prefix cache).",
                                         lbl + ["source"], registry=r)
+        self.salts = Gauge("trnd:prefix_cache_salts", "Cache salts (tenants) with pages in the device prefix cache, "
+                           "beside the shared key space: each salt's pages are its own in every tier.", lbl,
+                           registry=r)
         self.kernels_loaded = Gauge("trnd:cpu_kernels_loaded", "1: this process runs trnd's compiled CPU kernels; "
                                     "0: the torch ops (why: /admin/state kernels). CPU backend only.",
                                     lbl + ["build"], registry=r)
@@ -92,6 +95,7 @@ class Metrics:
             self.waiting.labels(m).set(len(st.waiting or []))
             pg, rad = st.pages, st.radix
             self.kv_usage.labels(m).set((pg.total - pg.free - rad.evictable_pages) / max(1, pg.total))
+            self.salts.labels(m).set(rad.salts)
             self._tiers(m, st.tiers)
             if st.kernels is not None:
                 self.kernels_loaded.labels(m, st.kernels.build or "none").set(int(st.kernels.loaded))

@@ -9,9 +9,10 @@ Value ranges are checked in `to_sampling_params` (api/params.py), which raises A
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 
 # -- requests ---------------------------------------------------------------------------------------
@@ -118,6 +119,9 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # trnd: requests of one conversation share a session (prefix-cache affinity, /admin/state)
     session_id: str | None = None
     priority: int | None = None  # vLLM's: lower is scheduled first (engine/scheduler.py)
+    # vLLM's: this request's prefix cache is shared only with requests of the same salt (and API key:
+    # http/tenant.py), in every tier
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     # Declared so they are refused by name (check_rejected), never ignored.
     guided_json: object = None
     guided_regex: object = None

@@ -37,6 +37,7 @@ from trnd.engine.loop import DeadlineExceeded, EngineLoop, QueueFull, Unavailabl
 from trnd.engine.output import StepOutput, TokenLogprob
 from trnd.http.app import json_response, read_body, state_of
 from trnd.http.errors import APIError, error_bytes
+from trnd.http.tenant import bearer, tenant_salt
 from trnd.sampling_params import SamplingParams
 
 log = logging.getLogger("trnd.api")
@@ -85,6 +86,7 @@ async def chat_completions(request: Request) -> Response:
     arrival, st = time.monotonic(), state_of(request)
     req: P.ChatCompletionRequest = await _decode(request, st, P.ChatCompletionRequest)
     params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
+    params.cache_salt = salt_of(req, request, st)
     messages = chat_messages(req)
     plan = plan_chat(req, st.cfg.tool_call_parser, st.cfg.reasoning_parser)
     try:
@@ -100,6 +102,13 @@ async def chat_completions(request: Request) -> Response:
     return await job.respond(request)
 
 
+def salt_of(req, request: Request, st: AppState) -> str | None:
+    """The tenant's cache salt (http/tenant.py): the key this request was accepted with, where the server
+    has one, and the body's cache_salt."""
+    keyed = st.auth is not None and st.auth.expected is not None
+    return tenant_salt(bearer(request.headers) if keyed else None, req.cache_salt)
+
+
 def session_of(req, request: Request) -> str | None:
     """The body's session_id (or OpenAI's prompt_cache_key), else the x-session-id header the router forwards
     (and that clients of the router may send instead of a body field)."""
@@ -110,6 +119,7 @@ async def completions(request: Request) -> Response:
     arrival, st = time.monotonic(), state_of(request)
     req: P.CompletionRequest = await _decode(request, st, P.CompletionRequest)
     params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
+    params.cache_salt = salt_of(req, request, st)
     prompt = check_completion_prompt(req.prompt)
     params.grammar = request_grammar(req, st.loop.engine)
     ids = await _encode(st, prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt

@@ -11,6 +11,9 @@ Protocol for the engine:
     radix.insert(full_page_ids, req_pages)      # on finish: the tree takes refs on new pages
     radix.unlock(m.node); pool.unref(req_pages) # request lets go of everything it held
 
+Each cache salt (a tenant: hashing.py) has its own root, so no match, insert or page crosses salts;
+the unsalted root is `root`, a salt's root is made on its first insert and dropped with its last page.
+
 Locks count on a node and all its ancestors, so a node is locked whenever any node below it is.
 Eviction removes whole unlocked leaves, least recently used first (a parent becomes a candidate
 once its last child is gone); it can therefore free more pages than asked for. A split keeps the
@@ -30,7 +33,7 @@ from trnd.cache.pages import PagePool
 
 
 class Node:
-    __slots__ = ("parent", "children", "key", "pages", "hashes", "lock", "last_access", "id")
+    __slots__ = ("parent", "children", "key", "pages", "hashes", "lock", "last_access", "id", "salt")
 
     def __init__(self, parent: Node | None, key: tuple[int, ...], pages: list[int], hashes: list[bytes],
                  node_id: int):
@@ -42,6 +45,7 @@ class Node:
         self.lock = 0  # active locks on this node or below it
         self.last_access = 0
         self.id = node_id
+        self.salt: str | None = None  # set on roots only: the cache salt of the tree below
 
     def __repr__(self) -> str:
         return f"Node(id={self.id}, pages={len(self.pages)}, lock={self.lock}, children={len(self.children)})"
@@ -68,6 +72,7 @@ class RadixCache:
         self._ids = itertools.count()
         self._clock = itertools.count(1)
         self.root = Node(None, (), [], [], next(self._ids))
+        self.roots: dict[str, Node] = {}  # cache salt -> its root (the unsalted one is self.root)
         self._num_cached = 0
         self._num_protected = 0
         self._num_nodes = 0  # excluding the root
@@ -77,15 +82,28 @@ class RadixCache:
 
     # ---- lookups -------------------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of token_ids in whole pages. Takes no refs and no locks.
+    def root_of(self, salt: str | None, create: bool = False) -> Node | None:
+        """The root of `salt`'s tree (None: the unsalted root); None when it has none and not create."""
+        if not salt:
+            return self.root
+        node = self.roots.get(salt)
+        if node is None and create:
+            node = self.roots[salt] = Node(None, (), [], [], next(self._ids))
+            node.salt = salt
+        return node
+
+    def match(self, token_ids: Sequence[int], salt: str | None = None) -> MatchResult:
+        """Longest cached prefix of token_ids in whole pages, under `salt` only. Takes no refs and no locks.
 
         Callers that must compute at least one token (to get logits) pass token_ids[:-1].
         """
         ps = self.page_size
         tokens = tuple(token_ids[:len(token_ids) // ps * ps])
         tick = next(self._clock)
-        node = self.root
+        node = self.root_of(salt)
+        if node is None:  # a salt with nothing cached: its root is made by the first insert
+            self.query_tokens += len(token_ids)
+            return MatchResult(Node(None, (), [], [], -1), [], 0)
         node.last_access = tick
         pages: list[int] = []
         pos = 0
@@ -142,8 +160,9 @@ class RadixCache:
 
     # ---- insert / evict ------------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
-        """Cache pages for the full-page token_ids; returns how many leading pages were already cached.
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], salt: str | None = None) -> int:
+        """Cache pages for the full-page token_ids under `salt`; returns how many leading pages were
+        already cached.
 
         For pages not yet in the tree the tree takes its own ref. For leading pages already present
         the tree keeps its page and ignores the caller's; either way the caller keeps its refs.
@@ -152,15 +171,17 @@ class RadixCache:
         assert len(token_ids) == len(pages) * ps, \
             f"insert: {len(token_ids)} tokens for {len(pages)} pages of {ps}"
         tokens = tuple(token_ids)
+        if not tokens:
+            return 0
         tick = next(self._clock)
-        node = self.root
+        node = self.root_of(salt, create=True)
         node.last_access = tick
         pos = 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos:pos + ps])
             if child is None:
                 new_pages = list(pages[pos // ps:])
-                hashes = page_hashes(tokens[pos:], ps, self.namespace, node.hashes[-1] if node.hashes else b"")
+                hashes = page_hashes(tokens[pos:], ps, self.namespace, node.hashes[-1] if node.hashes else b"", salt)
                 self.pool.ref(new_pages)
                 leaf = Node(node, tokens[pos:], new_pages, hashes, next(self._ids))
                 leaf.last_access = tick
@@ -185,7 +206,7 @@ class RadixCache:
         if num_pages <= 0:
             return 0
         heap = [(n.last_access, n.id, n) for n in self._nodes()
-                if not n.children and n.lock == 0 and n is not self.root]
+                if not n.children and n.lock == 0 and n.parent is not None]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -199,8 +220,10 @@ class RadixCache:
             self._num_cached -= len(node.pages)
             self._num_nodes -= 1
             self.evicted_pages += len(node.pages)
-            if parent is not self.root and not parent.children and parent.lock == 0:
+            if parent.parent is not None and not parent.children and parent.lock == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
+            elif parent.salt is not None and not parent.children and parent.lock == 0:
+                del self.roots[parent.salt]  # a salt's last page: its root goes too
         return freed
 
     def reset(self) -> int:
@@ -235,6 +258,7 @@ class RadixCache:
             "hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
             "evicted_pages": self.evicted_pages,
             "nodes": self._num_nodes,
+            "salts": len(self.roots),
         }
 
     def check_integrity(self, strict: bool = True) -> None:
@@ -245,9 +269,13 @@ class RadixCache:
         false between a finishing request's insert and its unref.
         """
         ps = self.page_size
-        assert not self.root.key and not self.root.pages and self.root.parent is None
+        for root in (self.root, *self.roots.values()):
+            assert not root.key and not root.pages and root.parent is None
+        for salt, root in self.roots.items():
+            assert root.salt == salt and salt, f"salt root {salt!r} names {root.salt!r}"
         seen: set[int] = set()
         cached = protected = nodes = 0
+        salt_of: dict[int, str | None] = {}
         for node in self._nodes():
             child_locks = 0
             for k, child in node.children.items():
@@ -255,13 +283,16 @@ class RadixCache:
                 assert child.key[:ps] == k, f"{child}: keyed by {k[:8]}..., first page {child.key[:8]}..."
                 child_locks += child.lock
             assert node.lock >= child_locks, f"{node}: lock {node.lock} < children's {child_locks}"
-            if node is self.root:
+            if node.parent is None:
+                salt_of[node.id] = node.salt
                 continue
+            salt_of[node.id] = salt_of[node.parent.id]
             nodes += 1
             n = len(node.pages)
             assert n >= 1 and len(node.key) == n * ps, f"{node}: {len(node.key)} tokens for {n} pages"
             parent_hash = node.parent.hashes[-1] if node.parent.hashes else b""
-            assert node.hashes == page_hashes(node.key, ps, self.namespace, parent_hash), f"{node}: bad hashes"
+            assert node.hashes == page_hashes(node.key, ps, self.namespace, parent_hash, salt_of[node.id]), \
+                f"{node}: bad hashes"
             cached += n
             protected += n if node.lock > 0 else 0
             for p in node.pages:
@@ -278,7 +309,8 @@ class RadixCache:
     # ---- internals -----------------------------------------------------------------------------
 
     def _nodes(self) -> Iterator[Node]:
-        stack = [self.root]
+        """Every node, each root before the nodes below it."""
+        stack = [*self.roots.values(), self.root]
         while stack:
             node = stack.pop()
             yield node
@@ -307,7 +339,7 @@ class RadixCache:
         return head
 
     def _check_attached(self, node: Node) -> None:
-        if node is not self.root and node.parent is None:
+        if node.parent is None and node is not self.root and self.roots.get(node.salt) is not node:
             raise ValueError(f"{node} is no longer in the tree (evicted)")
 
 

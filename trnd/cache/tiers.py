@@ -39,17 +39,17 @@ class Tiers:
         if host is not None and policy == "write-back":
             radix.on_evict = self._evicted
 
-    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        return page_hashes(token_ids, self.page_size, self.namespace)
+    def hashes(self, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
+        return page_hashes(token_ids, self.page_size, self.namespace, salt=salt)
 
     def _evicted(self, hashes: list[bytes], pages: list[int]) -> None:
         self.host.put(hashes, pages)
 
-    def on_release(self, token_ids: Sequence[int], pages: list[int]) -> None:
+    def on_release(self, token_ids: Sequence[int], pages: list[int], salt: str | None = None) -> None:
         """A request's full pages went into the device cache (finish, abort or preemption)."""
         if self.host is None and self.remote is None:
             return
-        hashes = self.hashes(token_ids)
+        hashes = self.hashes(token_ids, salt)
         if self.host is not None and self.policy == "write-through":
             self.pool.ref(pages)
             self._writes.append((self.host.put_async(hashes, list(pages)), list(pages), "host"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from trnd.engine.sampler import SampleOut, Sampler
 from trnd.engine import state, trace
 from trnd.engine.parked import Parked
 from trnd.engine.scheduler import Batch, Scheduler, SchedulerConfig
-from trnd.model.config import ModelConfig, fingerprint
+from trnd.model.config import ModelConfig, fingerprint, weights_identity
 from trnd.model.loader import load_model
 from trnd.model.tokenizer import Tokenizer
 from trnd.parallel import TPGroup
@@ -196,11 +197,13 @@ class Engine:
         if cfg.static:
             log.info(self.runner.summary())
 
-    @property
+    @functools.cached_property
     def namespace(self) -> str:
-        """Page-hash key space: the same model (config + tokenizer) and KV dtype on any node, any role (fp8
-        pages get their own: L2/L3 never hand an fp8 page to a model-dtype pool or back)."""
-        ns = f"{fingerprint(Path(self.cfg.model))}:{str(self.model_config.dtype).removeprefix('torch.')}"
+        """Page-hash key space: the same model (config + tokenizer + weights: model/config.py weights_identity)
+        and KV dtype on any node, any role (fp8 pages get their own: L2/L3 never hand an fp8 page to a
+        model-dtype pool or back). Every L3 key carries it (the chain's root: cache/hashing.py)."""
+        model = Path(self.cfg.model)
+        ns = f"{fingerprint(model)}-{weights_identity(model)}:{str(self.model_config.dtype).removeprefix('torch.')}"
         return ns if self.cfg.kv_cache_dtype == "auto" else f"{ns}:kv={self.cfg.kv_cache_dtype}"
 
     def kv_agent(self):

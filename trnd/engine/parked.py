@@ -91,7 +91,7 @@ class TierLoad(Parked):
 def load_host(req: Req, tiers, pool, reserve: Callable[[int], bool]) -> TierLoad | None:
     """Park the request while the host tier copies the pages after its device hit (instead of
     recomputing them)."""
-    hashes = tiers.hashes(req.all_ids[:-1])[len(req.pages):]
+    hashes = tiers.hashes(req.all_ids[:-1], req.params.cache_salt)[len(req.pages):]
     k = tiers.host_probe(hashes)
     if not k or not reserve(k):
         return None
@@ -103,7 +103,7 @@ def ask_remote(req: Req, tiers, pool, reserve: Callable[[int], bool]) -> TierLoa
     """Park the request while L3 is asked for the full pages after its local hits."""
     if tiers.remote is None:
         return None
-    hashes = tiers.hashes(req.all_ids[:-1])[len(req.pages):]
+    hashes = tiers.hashes(req.all_ids[:-1], req.params.cache_salt)[len(req.pages):]
     if not hashes:
         return None
     return TierLoad(req, hashes, tiers.remote_lookup(hashes), tiers, pool, reserve)

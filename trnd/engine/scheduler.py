@@ -234,7 +234,7 @@ class Scheduler:
         """True: pages for its next chunk are committed. False: not now. None: parked on a lower tier."""
         if req.num_computed == 0 and self.cfg.prefix_cache:
             # Match on all but the last token: at least one token must run to produce logits.
-            m = self.radix.match(req.all_ids[:-1])
+            m = self.radix.match(req.all_ids[:-1], req.params.cache_salt)
             if m.pages:
                 self.radix.lock(m.node)
                 self._locks[req.rid] = m.node
@@ -331,9 +331,9 @@ class Scheduler:
             full = req.num_computed // self.cfg.page_size
             if full:
                 tokens = req.all_ids[: full * self.cfg.page_size]
-                self.radix.insert(tokens, req.pages[:full])
+                self.radix.insert(tokens, req.pages[:full], req.params.cache_salt)
                 if self.tiers is not None:
-                    self.tiers.on_release(tokens, req.pages[:full])
+                    self.tiers.on_release(tokens, req.pages[:full], req.params.cache_salt)
         node = self._locks.pop(req.rid, None)
         if node is not None:
             self.radix.unlock(node)

@@ -104,6 +104,31 @@ class ModelConfig:
         )
 
 
+WEIGHT_SAMPLES = 16  # spans read per weights file for its identity
+WEIGHT_SAMPLE_BYTES = 4096
+
+
+def weights_identity(model_dir: Path) -> str:
+    """Which weights these are, cheaply: every weights file's name, size, safetensors header (names, shapes,
+    dtypes, offsets) and WEIGHT_SAMPLES spans of its bytes spread over the file. A fine-tune or another seed
+    of the same config differs in the sampled bytes; reading them costs a few ms, not a pass over the file.
+    It keys the prefix cache's pages in every tier (Engine.namespace): a remote store never hands one
+    model's KV to another model served under the same config (SGLang #24758)."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(model_dir).iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            if f.suffix == ".safetensors":
+                n = int.from_bytes(fh.read(8), "little")
+                h.update(fh.read(min(n, 64 * 2**20)))
+            for i in range(WEIGHT_SAMPLES):
+                fh.seek(size * i // WEIGHT_SAMPLES)
+                h.update(fh.read(WEIGHT_SAMPLE_BYTES))
+    return h.hexdigest()[:16] if files else "no-weights"
+
+
 def fingerprint(model_dir: Path) -> str:
     """Same config and same tokenizer: KV computed by one process means the same to another, on any node."""
     h = hashlib.sha256()

@@ -24,6 +24,7 @@ from trnd.http.admin import Readiness, admin_app
 from trnd.http.app import json_response, read_body, state_of
 from trnd.http.auth import key_swap
 from trnd.http.errors import APIError
+from trnd.http.tenant import MAX_SALT_CHARS, bearer, tenant_salt
 from trnd.router.policy import PrefixIndex, prefix_hashes
 from trnd.router.proxy import Proxied
 from trnd.router.targets import Target, Targets
@@ -180,6 +181,15 @@ def _route(path: str):
         session = data.get(field) or request.headers.get("x-session-id")
         if session is not None and not isinstance(session, str):
             raise APIError(400, f"{field} must be a string", param=field)
+        salt = data.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_CHARS):
+            raise APIError(400, f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters",
+                           param="cache_salt")
+        keyed = st.auth is not None and st.auth.expected is not None
+        salt = tenant_salt(bearer(request.headers) if keyed else None, salt)
+        if salt is not None and salt != data.get("cache_salt"):  # the tenant travels on in the body
+            data["cache_salt"] = salt
+            body = msgspec.json.encode(data)
         text = prompt_text(path, data)
         headers = {"content-type": "application/json"}
         key = st.cfg.resolved_target_key()
@@ -189,7 +199,7 @@ def _route(path: str):
         if session:
             headers["x-session-id"] = session
         return Proxied(st, path, body, bool(data.get("stream")), needed_tokens(st, path, data, text), session,
-                       prefix_hashes(text, st.cfg.prefix_block_chars), headers)
+                       prefix_hashes(text, st.cfg.prefix_block_chars, salt), headers)
     return handler
 
 

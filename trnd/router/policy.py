@@ -36,9 +36,10 @@ def rendezvous(key: str, targets: list[Target]) -> Target:
     return max(targets, key=lambda t: _h(f"{key}|{t.addr}".encode()))
 
 
-def prefix_hashes(text: str, block: int) -> list[int]:
-    """Chained hashes of the text's whole blocks: equal lists mean equal prefixes."""
-    out, h = [], b""
+def prefix_hashes(text: str, block: int, salt: str | None = None) -> list[int]:
+    """Chained hashes of the text's whole blocks: equal lists mean equal prefixes (of one cache salt:
+    http/tenant.py; two tenants' routes never meet)."""
+    out, h = [], (salt or "").encode()
     data = text.encode("utf-8", errors="replace")
     for i in range(0, len(data) - block + 1, block):
         h = hashlib.blake2b(h + data[i:i + block], digest_size=8).digest()
