@@ -166,3 +166,30 @@ def test_a_static_role_without_a_cache_shows_its_buckets(tiny_qwen3, env, tmp_pa
     finally:
         out = stop(proc)
     assert "static path: point ct, decode buckets [2], prefill buckets [16]" in out
+
+
+def test_a_cache_others_could_write_is_refused(cache, tiny_qwen3, env, tmp_path):
+    """torch loads pickles and shared objects from the cache: a world-writable DIR, a world-writable entry deep
+    in inductor/, or a tree another user owns is refused (one line naming compile_cache and the path, exit 78),
+    as ssh refuses a key file others can write; a sticky /tmp above it is fine (the other roles here use it)."""
+    import os
+
+    cases = {}
+    for case in ("world-writable dir", "world-writable entry", "foreign owner"):
+        d = tmp_path / case.replace(" ", "-")
+        shutil.copytree(cache, d)
+        if case == "world-writable dir":
+            d.chmod(0o777)
+        elif case == "world-writable entry":
+            deepest = max((p for p in (d / "inductor").rglob("*") if p.is_file()), key=lambda p: len(p.parts))
+            deepest.chmod(0o666)
+        else:
+            os.chown(d / "inductor", 4321, 4321)
+        cases[case] = (d, _prefill(tiny_qwen3, d, env, tmp_path, "--point", "ct"))
+    for case, (d, proc) in cases.items():
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 78, (case, err[-2000:])
+        lines = [ln for ln in err.splitlines() if "trnd: cannot start" in ln]
+        assert len(lines) == 1 and "Traceback" not in err, (case, err[-2000:])
+        assert f"compile_cache = '{d}': refused: {d}" in lines[0], (case, lines[0])
+        assert ("writable by every user" if "writable" in case else "owned by uid 4321") in lines[0], lines[0]

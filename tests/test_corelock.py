@@ -66,8 +66,11 @@ def test_a_stopped_holder_costs_at_most_the_deadline_and_a_dead_one_nothing(tmp_
         lock = CoreLock(path, deadline_s=0.3)
         with lock.held():  # computes anyway once the deadline passed
             pass
-        assert lock.overruns == 1
-        assert lock.acquire() is False and lock.overruns == 2  # a helper still blocked serves the next wait
+        assert lock.overruns == 1 and lock.give_ups == 1
+        waited = lock.waited_s
+        for _ in range(5):  # the turn it gave up on still holds the lock: no second wait (one missed turn)
+            assert lock.acquire() is False
+        assert lock.overruns == 6 and lock.give_ups == 1 and lock.waited_s == waited
         p.kill()  # the kernel drops a dead holder's flock
         p.wait()
         assert lock.acquire() is True
@@ -79,6 +82,23 @@ def test_a_stopped_holder_costs_at_most_the_deadline_and_a_dead_one_nothing(tmp_
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_holder_that_lets_go_and_takes_it_again_is_waited_for_again(tmp_path):
+    """Giving up on one turn is no licence for the next: a holder that released and took the lock again
+    (a long pass, then another) is waited for as usual."""
+    a, b = CoreLock(str(tmp_path / "l"), deadline_s=0.2), CoreLock(str(tmp_path / "l"), deadline_s=0.2)
+    assert a.acquire()
+    assert b.acquire() is False and b.give_ups == 1
+    assert b.acquire() is False and b.give_ups == 1  # the same turn: not waited for
+    a.release()
+    assert a.acquire()  # a new turn
+    assert b.acquire() is False and b.give_ups == 2  # waited the deadline again
+    a.release()
+    assert b.acquire() is True
+    b.release()
+    a.close()
+    b.close()
 
 
 def test_two_locks_in_one_process_exclude_each_other(tmp_path):

@@ -142,3 +142,49 @@ def test_over_the_limit_is_503_before_the_200(server):
         else:
             assert retry is not None
     still_serves(server)
+
+
+@pytest.mark.parametrize("key", ["²", "①", "٣", "-1", "1.5", "", "1" * 25])
+def test_logit_bias_keys_are_ascii_token_ids(server, key):
+    """Before: "²" and "①" (str.isdigit, but no int) were a 500."""
+    assert_error(post(server, {"logit_bias": {key: 1}}), 400, param="logit_bias")
+    still_serves(server)
+
+
+@pytest.mark.parametrize("tid", [32000, 10**9, 2**63, 10**30])
+def test_token_ids_past_the_vocabulary_are_400(server, tid):
+    """Before: logit_bias past the vocabulary was a 200 with the bias dropped (OpenAI and vLLM answer 400), and
+    on a prompt handed to the prefill server a huge id was a 503 (the handoff could not be encoded)."""
+    r = post(server, {"logit_bias": {str(tid): 5}})  # checked before any handoff
+    assert_error(r, 400, param="logit_bias")
+    assert "vocabulary" in r.json()["error"]["message"] or "token ids" in r.json()["error"]["message"]
+    if tid < 2**63:
+        assert_error(post(server, {"stop_token_ids": [tid]}), 400, param="stop_token_ids")
+    assert post(server, {"logit_bias": {"5": 5}, "stop_token_ids": [7]}).status_code == 200
+
+
+def test_logit_bias_and_stop_token_ids_sizes_are_capped(server):
+    """Before: a 280k-entry logit_bias or 400k stop_token_ids (under the body limit) was accepted and slowed every
+    other stream 3-7x per token. The caps are max_logit_bias and max_stop_token_ids (docs/API.md)."""
+    r = post(server, {"logit_bias": {str(i): 1 for i in range(301)}})
+    assert_error(r, 400, param="logit_bias")
+    assert "max_logit_bias" in r.json()["error"]["message"] and "300" in r.json()["error"]["message"]
+    r = post(server, {"stop_token_ids": list(range(129))})
+    assert_error(r, 400, param="stop_token_ids")
+    assert "max_stop_token_ids" in r.json()["error"]["message"]
+    assert post(server, {"logit_bias": {str(i): 1 for i in range(300)}, "stop_token_ids": list(range(128))}
+                ).status_code == 200
+    assert_error(post(server, {"stop_token_ids": [-1]}), 400, param="stop_token_ids")
+
+
+def test_admin_requests_finds_every_choice_of_an_n_2_request(server):
+    """Before: /admin/requests/<id> 404'd for the id the client saw in an n=2 reply (its choices run as <id>-0,
+    <id>-1)."""
+    r = post(server, {"n": 2, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    got = httpx.get(f"{server.url}/admin/requests/{rid}", timeout=20)
+    assert got.status_code == 200, got.text
+    assert sorted(t["id"] for t in got.json()["traces"]) == [f"{rid}-0", f"{rid}-1"]
+    assert httpx.get(f"{server.url}/admin/requests/{rid}-1", timeout=20).json()["traces"][0]["id"] == f"{rid}-1"
+    assert httpx.get(f"{server.url}/admin/requests/{rid[:-1]}", timeout=20).status_code == 404

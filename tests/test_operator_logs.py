@@ -134,3 +134,18 @@ def test_stop_while_loading_or_serving_leaves_no_traceback(tiny_qwen3, tmp_path,
             pytest.fail(f"{role} still running 60 s after SIGTERM at {delay} s:\n{out[-6000:]}")
         assert proc.returncode in (0, -signal.SIGTERM), out  # -15: the signal came before Python set its handlers
         assert "Traceback" not in out and "Exception ignored" not in out, out
+
+
+def test_a_megabyte_string_is_cut_in_the_log():
+    """Before: a 1 MB session_id or user was logged whole on the request's lines (5 requests, 8.5 MB of log)."""
+    import logging
+
+    from trnd.engine.trace import _short
+    from trnd.log import MAX_MESSAGE_CHARS, _Formatter
+
+    big = "s" * 2**20
+    for journal in (False, True):
+        rec = logging.LogRecord("trnd.api", logging.INFO, __file__, 1, "request x: session_id=%s", (big,), None)
+        line = _Formatter(journal).format(rec)
+        assert len(line) < MAX_MESSAGE_CHARS + 200 and line.endswith(f"(message cut: {len(big) + 22} characters)")
+    assert len(_short(big)) < 200 and _short("alice") == "alice" and _short(None) is None

@@ -58,6 +58,24 @@ def _drive(parser_cls, chunks):
     return content, [tuple(c) for _, c in sorted(calls.items())]
 
 
+def test_unreadable_calls_come_back_as_content():
+    """A call whose name holds an invalid JSON escape (`get\\_weather`) or a lone surrogate was a 500 (and the
+    streamed form ended with an error event): it is text, streamed or not, as vLLM's hermes parser returns it.
+    A lone surrogate inside arguments stays escaped (the reply's UTF-8 cannot hold it)."""
+    bad_names = ['{"name": "get\\_weather", "arguments": {"a": 1}}', '{"name": "get\\ud800x", "arguments": {}}']
+    for obj in bad_names:
+        for text in (f"<tool_call>\n{obj}\n</tool_call>", f"see <tool_call>{obj}</tool_call> done"):
+            for chunks in _splits(text):
+                assert _drive(HermesParser, chunks) == (text, []), chunks
+        for chunks in _splits(obj):
+            assert _drive(Llama3JsonParser, chunks) == (obj, []), chunks
+    late = '<tool_call>{"arguments": {"a": "\\ud800"}, "name": "f"}</tool_call>'
+    for chunks in _splits(late):
+        content, calls = _drive(HermesParser, chunks)
+        assert content == "" and calls == [("f", '{"a": "\\ud800"}')]
+        calls[0][1].encode("utf-8")
+
+
 @pytest.mark.parametrize("text, content, calls", [
     (QWEN_TWO_CALLS, "", [("get_current_temperature", {"location": "San Francisco, CA, USA"}),
                           ("get_temperature_date", {"location": "San Francisco, CA, USA", "date": "2024-10-01"})]),

@@ -80,6 +80,16 @@ def _table_cases():
     cases.append(("serve", "port --prefill-admin-port", [*role["serve"], "--prefill-admin-port", "P"], 1, "P"))
     cases.append(("serve", "port --decode-port", [*role["serve"], "--decode", "2", "--decode-port", "P"], 1, "P"))
     cases.append(("router", "model path", [*role["router"], "--model", "NOPE"], 78, "nope"))
+    # every *_file field read at start: missing, or empty (a key that would turn authentication off)
+    for name, argv in role.items():
+        cases.append((name, "api_key_file missing", [*argv, "--config", "KEYNOPE"], 78, "api_key_file = '/nonexistent/key'"))
+        cases.append((name, "api_key_file empty", [*argv, "--config", "KEYEMPTY"], 78, "is empty"))
+        cases.append((name, "api_key empty", [*argv, "--config", "KEYBLANK"], 78, "api_key is empty"))
+    for name in ("prefill", "decode", "store"):
+        cases.append((name, "secret_file missing", [a if a != "S" else "NOPE" for a in role[name]], 78,
+                      "secret_file"))
+    cases.append(("router", "target_api_key_file empty", [*role["router"], "--config", "TKEYEMPTY"], 78,
+                  "target_api_key_file"))
     return cases
 
 
@@ -95,9 +105,15 @@ def test_every_startup_error_is_one_line_at_error_priority(tiny_qwen3, tmp_path,
     secret.write_text("s" * 32)
     bad_cfg = tmp_path / "bad.toml"
     bad_cfg.write_text("max_nn = 3\n")
+    empty = tmp_path / "empty_key"
+    empty.write_text(" \n")
+    configs = {"KEYNOPE": 'api_key_file = "/nonexistent/key"\n', "KEYEMPTY": f'api_key_file = "{empty}"\n',
+               "KEYBLANK": 'api_key = " "\n', "TKEYEMPTY": f'target_api_key_file = "{empty}"\n'}
+    for k, text in configs.items():
+        (tmp_path / f"{k}.toml").write_text(text)
     holder, held = _holder()
     names = {"M": str(tiny_qwen3), "NOPE": str(tmp_path / "nope"), "MOE": str(moe), "S": str(secret),
-             "BADCFG": str(bad_cfg), "P": str(held)}
+             "BADCFG": str(bad_cfg), "P": str(held), **{k: str(tmp_path / f"{k}.toml") for k in configs}}
     try:
         args = [names.get(a) or (str(free_port()) if a == "F" else a) for a in argv]
         out = subprocess.run([sys.executable, "-m", "trnd", *args], capture_output=True, text=True, timeout=180,

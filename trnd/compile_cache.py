@@ -11,8 +11,12 @@ the "loaded" and "compiled" of the start-up line and of /admin/state `static`.
 DIR/manifest.json (msgspec JSON, never pickle) names what the graphs were built for; a role refuses a cache
 built for another model, point, dtype, pool, backend, torch, trnd, CPU ISA or thread count with the field and
 both values (measured: a cache built at 2 threads is all misses at 1).
-The entries themselves are torch's own files (torch pickles them): DIR is trusted like the weights, built by
-the operator on a host they own, never taken from the network.
+The entries themselves are torch's own files (torch pickles them, and loads the shared objects it built):
+whoever can write DIR runs code in the role. So DIR is trusted like the weights, built by the operator on a
+host they own, never taken from the network, and a role refuses one that someone else could have written
+(`trusted`, as ssh refuses a key file others can write): an entry of the tree, or a directory above it, that
+is world-writable (a sticky directory such as /tmp above it excepted) or owned by a user other than the
+role's own or root: one line naming compile_cache and the path, exit 78.
 
 Backends: CPU (Inductor's C++ codegen) is what runs and is tested here. CUDA would run this very command
 (Inductor again, the same two caches; the CUDA graphs are captured at start from the loaded kernels); the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from importlib import metadata
 from pathlib import Path
@@ -98,8 +103,42 @@ def use(cache_dir: str | Path) -> Path:
     return d
 
 
+def _untrusted(path: str, st: os.stat_result, above: bool) -> str | None:
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{path} is owned by uid {st.st_uid}, not by this role's user ({os.geteuid()}) or root"
+    if st.st_mode & stat.S_IWOTH and not (above and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+        return f"{path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def trusted(cache_dir: str | Path) -> None:
+    """Raise StartupError unless only this role's user (or root) can have written DIR's tree: every entry under
+    it (a link judged by what it points to) and every directory above it (ssh's rule for key files)."""
+    root = Path(os.path.expandvars(str(cache_dir))).resolve()
+    why = None
+    for up in reversed(root.parents):
+        if why := _untrusted(str(up), os.stat(up), above=True):
+            break
+    if why is None and root.exists():
+        for top, dirs, files in os.walk(root):
+            for name in [None, *dirs, *files]:
+                path = top if name is None else os.path.join(top, name)
+                try:
+                    st = os.stat(path)
+                except OSError:  # a dangling link: nothing to load
+                    continue
+                if why := _untrusted(path, st, above=False):
+                    break
+            if why:
+                break
+    if why:
+        raise StartupError(f"compile_cache = {str(cache_dir)!r}: refused: {why}; torch loads pickles and shared "
+                           f"objects from it (chmod o-w / chown it, or rebuild it with trnd compile)")
+
+
 def read(cache_dir: str | Path) -> CacheManifest:
     """DIR's manifest, or one line saying why there is none to trust."""
+    trusted(cache_dir)
     path = Path(os.path.expandvars(str(cache_dir))) / MANIFEST
     try:
         return msgspec.json.decode(path.read_bytes(), type=CacheManifest)

@@ -51,6 +51,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_n: Annotated[int, Meta(ge=1, le=128)] = 16
     max_stop: Positive = 4  # stop sequences per request (OpenAI's limit)
     max_stop_chars: Positive = 1024  # their total length
+    max_logit_bias: Positive = 300  # logit_bias entries per request (each is added to the logits every step)
+    max_stop_token_ids: Positive = 128  # stop_token_ids per request (each new token is looked up among them)
     max_job_tokens: Positive | None = None  # n x (prompt + max_tokens) of one request; None: no cap
     max_header_bytes: Positive = 64 * 2**10  # request line + headers; beyond: 431
     header_timeout_s: Annotated[float, Meta(gt=0)] = 10.0  # the headers must be in by then, or the connection is closed
@@ -105,13 +107,50 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def resolved_secret_optional(self) -> bytes | None:
         if self.secret_file:
-            return Path(os.path.expandvars(self.secret_file)).read_bytes().strip()
+            return read_key_file("secret_file", self.secret_file)
         return self.secret.encode() if self.secret else None
 
     def resolved_api_key(self) -> str | None:
         if self.api_key_file:
-            return Path(os.path.expandvars(self.api_key_file)).read_text().strip()
+            return read_key_file("api_key_file", self.api_key_file).decode()
         return self.api_key
+
+
+# Keys given inline; each has a `<name>_file` twin. An empty one would turn authentication off (a key of ""
+# matches no header, or HMACs with no secret): refused, like an empty or missing file, at start and on reload.
+KEY_FIELDS = ("api_key", "target_api_key", "secret")
+
+
+def read_key_file(field: str, path: str) -> bytes:
+    """A key or secret file's content, stripped; fails closed: a file that is missing, unreadable or empty
+    is a ConfigError naming the field (at start: exit 78; on reload: the running key is kept). An API key
+    must be text (it travels in a header); a control-plane secret may be any bytes."""
+    try:
+        data = Path(os.path.expandvars(path)).read_bytes().strip()
+        if "api_key" in field:
+            data.decode("ascii")
+    except OSError as e:
+        raise ConfigError(f"{field} = {path!r}: {e.strerror or e} - at `$.{field}`") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{field} = {path!r} holds bytes that are not ASCII: an API key travels in an HTTP "
+                          f"header - at `$.{field}`") from None
+    if not data:
+        raise ConfigError(f"{field} = {path!r} is empty: a key file must hold the key (unset {field} to run "
+                          f"without one) - at `$.{field}`")
+    return data
+
+
+def _check_files(cfg) -> None:
+    """Every `*_file` field read now (one line naming it, never a traceback later), every key non-empty."""
+    for field in cfg.__struct_fields__:
+        value = getattr(cfg, field)
+        if field.endswith("_file") and value is not None:
+            try:
+                read_key_file(field, value)
+            except ConfigError as e:
+                raise msgspec.ValidationError(str(e)) from None
+        elif field in KEY_FIELDS and value is not None and not value.strip():
+            raise msgspec.ValidationError(f"{field} is empty: unset it to run without a key - at `$.{field}`")
 
 
 def _check_common(cfg) -> None:
@@ -133,6 +172,7 @@ def _check_common(cfg) -> None:
             raise msgspec.ValidationError(f"point = {point!r} is not a known decode point (known: "
                                           f"{', '.join(sorted(known))}) - at `$.point`")
     _check_static(cfg)
+    _check_files(cfg)
     lock = getattr(cfg, "core_lock", None)
     if lock is not None and not os.path.isdir(os.path.dirname(os.path.abspath(lock))):
         raise msgspec.ValidationError(f"core_lock = {lock!r}: its directory does not exist - at `$.core_lock`")
@@ -229,7 +269,7 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def resolved_secret(self) -> bytes:
         if self.secret_file:
-            return Path(os.path.expandvars(self.secret_file)).read_bytes().strip()
+            return read_key_file("secret_file", self.secret_file)
         if self.secret:
             return self.secret.encode()
         raise msgspec.ValidationError("no control-plane secret: set secret_file (or secret) - at `$.secret_file`")
@@ -299,7 +339,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def resolved_target_key(self) -> str | None:
         if self.target_api_key_file:
-            return Path(os.path.expandvars(self.target_api_key_file)).read_text().strip()
+            return read_key_file("target_api_key_file", self.target_api_key_file).decode()
         return self.target_api_key
 
 

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+MAX_MESSAGE_CHARS = 4096  # one log message (a traceback comes after it, whole)
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
 
@@ -18,6 +19,8 @@ class _Formatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
+        if len(msg) > MAX_MESSAGE_CHARS:  # a client's string quoted whole (a 1 MB field) must not flood the journal
+            msg = f"{msg[:MAX_MESSAGE_CHARS]}... (message cut: {len(msg)} characters)"
         if record.exc_info:
             msg += " | " + self.formatException(record.exc_info).replace("\n", " | ")
         msg = msg.replace("\n", " | ")

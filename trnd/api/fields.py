@@ -66,13 +66,47 @@ def check_rejected(req) -> None:
             raise invalid("suffix", "suffix is not supported (no fill-in-the-middle)")
 
 
-def logit_bias(req) -> dict[int, float] | None:
+def shown(value: str, limit: int = 40) -> str:
+    """A client's string as an error message or a log line shows it: repr, cut to `limit` characters."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def logit_bias(req, max_entries: int) -> dict[int, float] | None:
+    """Token id (an ASCII decimal string: "²" is str.isdigit but no int) -> bias in [-100, 100]; the ids are
+    checked against the vocabulary once it is known (api/server.py Job). The sampler adds every entry to its
+    row's logits each step, so the count is capped."""
     if not req.logit_bias:
         return None
+    if len(req.logit_bias) > max_entries:
+        raise invalid("logit_bias", f"logit_bias has {len(req.logit_bias)} entries; at most {max_entries} are "
+                                    f"allowed (max_logit_bias)")
     out = {}
     for k, v in req.logit_bias.items():
-        if not k.lstrip("-").isdigit() or int(k) < 0:
-            raise invalid("logit_bias", f"logit_bias keys must be token ids, got {k!r}")
+        if not (k.isascii() and k.isdigit()) or len(k) > 19:
+            raise invalid("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {shown(k)}")
         check_range("logit_bias", v, -100.0, 100.0)
         out[int(k)] = float(v)
     return out
+
+
+def stop_token_ids(req, max_ids: int) -> list[int]:
+    """Checked against the vocabulary with the logit_bias ids (api/server.py Job); the count is capped: every
+    new token is looked up among them."""
+    ids = req.stop_token_ids or []
+    if len(ids) > max_ids:
+        raise invalid("stop_token_ids", f"stop_token_ids has {len(ids)} ids; at most {max_ids} are allowed "
+                                        f"(max_stop_token_ids)")
+    bad = next((t for t in ids if t < 0), None)
+    if bad is not None:
+        raise invalid("stop_token_ids", f"stop_token_ids must be token ids (non-negative integers), got {bad}")
+    return list(dict.fromkeys(ids))
+
+
+def check_vocabulary(params, vocab: int) -> None:
+    """logit_bias and stop_token_ids name tokens of this model: an id past its vocabulary is a 400 (OpenAI and
+    vLLM answer so), never a bias silently dropped."""
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise invalid(name, f"{name}: token id {bad} is out of range: this model's vocabulary has {vocab} "
+                                f"tokens (ids 0 to {vocab - 1})")

@@ -7,7 +7,7 @@ import msgspec
 
 from trnd.api import protocol as P
 from trnd.api.errors import APIError, invalid
-from trnd.api.fields import check_finite, check_range, check_rejected, logit_bias
+from trnd.api.fields import check_finite, check_range, check_rejected, logit_bias, stop_token_ids
 from trnd.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -68,7 +68,8 @@ def _arguments(param: str, args: str | dict) -> dict:
 
 
 def to_sampling_params(req: P.ChatCompletionRequest | P.CompletionRequest, max_n: int, max_stop: int = 4,
-                       max_stop_chars: int = 1024) -> tuple[SamplingParams, int]:
+                       max_stop_chars: int = 1024, max_logit_bias: int = 300,
+                       max_stop_token_ids: int = 128) -> tuple[SamplingParams, int]:
     """Validate ranges and build the engine's SamplingParams (max_tokens still unresolved: 0 = default).
     Stop strings are matched on the engine thread for every token of every choice, so their number
     and length are capped (OpenAI allows 4)."""
@@ -141,11 +142,11 @@ def to_sampling_params(req: P.ChatCompletionRequest | P.CompletionRequest, max_n
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         seed=req.seed,
         stop=stop,
-        stop_token_ids=[t for t in req.stop_token_ids or [] if 0 <= t < 2**63],
+        stop_token_ids=stop_token_ids(req, max_stop_token_ids),
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
-        logit_bias=logit_bias(req),
+        logit_bias=logit_bias(req, max_logit_bias),
         priority=req.priority or 0,
     )
     return params, n

@@ -28,6 +28,7 @@ from trnd.api import protocol as P
 from trnd.api.app import AppState, admin_routes, make_app
 from trnd.api.chat import ChatPlan, ChoiceText, chat_grammar, plan_chat
 from trnd.api.errors import from_decode_error
+from trnd.api.fields import check_vocabulary, shown
 from trnd.api.params import chat_messages, check_completion_prompt, to_sampling_params
 from trnd.api.stream import EventStream, merge, sse, until_disconnect
 from trnd.api.structured import request_grammar
@@ -45,6 +46,7 @@ log = logging.getLogger("trnd.api")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 MIN_LOGPROB = -9999.0  # JSON has no -inf (a banned token's logprob); vLLM reports this instead
 INLINE_TOKENIZE_CHARS = 16384  # longer texts are tokenized on a worker thread, off the event loop
+LOGGED_CHARS = 128  # a client's session_id / user as the request's log line shows them (cut beyond)
 
 
 def build_app(loop: EngineLoop, cfg: ServeConfig, model_name: str,
@@ -85,7 +87,8 @@ async def _encode(st: AppState, text: str, add_special_tokens: bool) -> list[int
 async def chat_completions(request: Request) -> Response:
     arrival, st = time.monotonic(), state_of(request)
     req: P.ChatCompletionRequest = await _decode(request, st, P.ChatCompletionRequest)
-    params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
+    params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars,
+                                   st.cfg.max_logit_bias, st.cfg.max_stop_token_ids)
     params.cache_salt = salt_of(req, request, st)
     messages = chat_messages(req)
     plan = plan_chat(req, st.cfg.tool_call_parser, st.cfg.reasoning_parser)
@@ -118,7 +121,8 @@ def session_of(req, request: Request) -> str | None:
 async def completions(request: Request) -> Response:
     arrival, st = time.monotonic(), state_of(request)
     req: P.CompletionRequest = await _decode(request, st, P.CompletionRequest)
-    params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars)
+    params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars,
+                                   st.cfg.max_logit_bias, st.cfg.max_stop_token_ids)
     params.cache_salt = salt_of(req, request, st)
     prompt = check_completion_prompt(req.prompt)
     params.grammar = request_grammar(req, st.loop.engine)
@@ -167,6 +171,7 @@ class Job:
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"{prompt_param}: token ids must be in [0, {vocab})", param=prompt_param)
+        check_vocabulary(params, vocab)
         max_given = params.max_tokens != 0
         if params.max_tokens == 0:  # not given: the rest of the context (chat) or OpenAI's 16 (completions)
             left = max(1, self.max_model_len - len(ids))
@@ -193,7 +198,8 @@ class Job:
         self.trackers = [st.metrics.tracker(arrival) for _ in range(n)]
         log.log(logging.INFO if session_id or user else logging.DEBUG,
                 "request %s: %s, %d prompt tokens, n=%d, session_id=%s, user=%s, grammar=%s", self.id, kind, len(ids),
-                n, session_id, user, params.grammar.kind if params.grammar else None)
+                n, session_id and shown(session_id, LOGGED_CHARS), user and shown(user, LOGGED_CHARS),
+                params.grammar.kind if params.grammar else None)
 
     def release(self) -> None:
         self.st.loop.unreserve(self.rids)

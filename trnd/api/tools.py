@@ -2,6 +2,9 @@
 and `llama3_json` (`{"name", "parameters"}` objects, `;`-separated, optionally after `<|python_tag|>`),
 both incremental, so streaming and non-streaming replies come from the same code and agree.
 
+Text the parser cannot read as a call (a name with an invalid escape such as `get\_weather`, a lone surrogate,
+an object that is no call) comes back as content, streamed or not, as vLLM's hermes parser returns it.
+
 A parser is pushed text as it is generated and returns (content, tool-call deltas) in OpenAI's stream
 shape: a call's first delta has id, type and function.name with arguments "", the next ones carry
 argument fragments. Arguments stream as the model writes them, once the name has been seen; the
@@ -41,6 +44,24 @@ class Delta:
     calls: list[tuple[int, str | None, str | None, str | None]] = field(default_factory=list)
 
 
+def _encodable(text: str) -> bool:
+    """No lone surrogate (JSON's "\\ud800" decodes to one; UTF-8, so the reply's JSON, cannot hold it)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _text(raw: str) -> str | None:
+    """A JSON string's body as text; None where it is not valid JSON or holds a lone surrogate."""
+    try:
+        value = json.loads(f'"{raw}"')
+    except json.JSONDecodeError:
+        return None
+    return value if _encodable(value) else None
+
+
 def _held(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag (kept back: it may become tag)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -63,6 +84,7 @@ class _Object:
         self.args_end: int | None = None
         self.args_container = False
         self.call: ToolCall | None = None  # set once the name is known
+        self.unnamed = False  # its name is no valid JSON string: not a call
 
     def feed(self, text: str) -> str:
         """Consume text up to the object's end; returns what follows it."""
@@ -86,11 +108,14 @@ class _Object:
                     self.args_end = len(self.buf)
             elif ch == "," and self.depth == 1 and self.args_start is not None and self.args_end is None:
                 self.args_end = len(self.buf) - 1
-            if self.name is None and self.depth >= 1:
+            if self.name is None and not self.unnamed and self.depth >= 1:
                 m = _HEADER.match(self.buf)
                 if m:
-                    self.name = json.loads(f'"{m.group(1)}"')
-                    self.args_start = m.end()
+                    self.name = _text(m.group(1))
+                    if self.name is None:  # `get\_weather`, a lone surrogate: no call; the object comes back as text
+                        self.unnamed = True
+                    else:
+                        self.args_start = m.end()
             if self.depth == 0 and self.buf.strip():
                 if self.args_start is not None and self.args_end is None:
                     self.args_end = len(self.buf) - 1
@@ -113,10 +138,10 @@ class _Object:
             obj = json.loads(self.buf)
         except json.JSONDecodeError:
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _encodable(obj["name"]):
             return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        return obj["name"], json.dumps(args, ensure_ascii=False)
+        args = json.dumps(obj.get("arguments", obj.get("parameters", {})), ensure_ascii=False)
+        return obj["name"], args if _encodable(args) else json.dumps(json.loads(args))  # lone surrogates stay escaped
 
 
 class ToolParser:
@@ -147,19 +172,21 @@ class ToolParser:
                 out.calls.append((len(self.calls) - 1, None, None, piece))
         if obj.done:
             self._obj = None
-            if obj.name is None:  # name after arguments, or other keys: the whole call at once
+            called = obj.name is not None
+            if not called:  # name after arguments, or other keys: the whole call at once
                 parsed = obj.parsed()
                 if parsed is None:
                     out.content += self.OPEN + obj.buf  # not a call after all: it is text
                 else:
+                    called = True
                     call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", *parsed)
                     self.calls.append(call)
                     out.calls.append((len(self.calls) - 1, call.id, call.name, ""))
                     out.calls.append((len(self.calls) - 1, None, None, call.arguments))
-            self._after_object()
+            self._after_object(called)
         return rest
 
-    def _after_object(self) -> None:
+    def _after_object(self, called: bool) -> None:
         pass
 
     def push(self, text: str) -> Delta:
@@ -186,8 +213,8 @@ class HermesParser(ToolParser):
         super().__init__()
         self._closing = False  # after a call object: expecting </tool_call>
 
-    def _after_object(self) -> None:
-        self._closing = True
+    def _after_object(self, called: bool) -> None:
+        self._closing = called  # else the closing tag stays in the text it belongs to
 
     def _step(self, text: str, out: Delta, final: bool) -> None:
         self._pending = ""

@@ -14,13 +14,22 @@ the holder lets go; polling instead woke the waiter hundreds of times a prefill,
 a worker of the team it waited for) while the engine thread waits for it with a deadline: a role that
 waited longer than `deadline_s` (a stopped peer, a very long prefill chunk) computes anyway, so the lock
 can only cost time, never stall a role.
+
+A holder that does not let go costs one missed turn, not one per pass: each holder stamps the file with its
+pid and a turn number as it takes the lock (one pwrite), and a waiter that gave up on a turn takes the cores
+without waiting while that same turn still holds the lock (a SIGSTOPped or hung role: before, every forward
+pass of the others waited the deadline, one token per 2-4 s). The stamp is read only when the lock is
+contended. A lease the holder must renew would need a thread writing it from inside every long pass; the
+turn stamp needs nothing of a holder that has stopped (docs/DEPLOY.md, "Sharing the cores").
 """
 
 from __future__ import annotations
 
 import fcntl
+import itertools
 import logging
 import os
+import struct
 import threading
 import time
 from contextlib import contextmanager
@@ -28,6 +37,18 @@ from contextlib import contextmanager
 from trnd.config import StartupError
 
 log = logging.getLogger("trnd.engine")
+
+STAMP = struct.Struct("<IQ")  # the holder's pid, its turn number: the first bytes of the lock file
+_turns = itertools.count(1)  # one sequence per process: two locks in one process never stamp the same turn
+
+
+def process_state(pid: int) -> str:
+    """/proc's one-letter state of pid (R running, S sleeping, T stopped, ...); "gone" where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
 
 
 class CoreLock:
@@ -38,7 +59,8 @@ class CoreLock:
         except OSError as e:  # a role that cannot share the cores as configured does not start
             raise StartupError(f"core_lock = {path!r}: {e.strerror}") from None
         self.waited_s = 0.0  # time this role spent waiting for the others (metrics: core_lock_wait_seconds)
-        self.overruns = 0  # waits that hit the deadline and computed without the lock
+        self.overruns = 0  # passes computed without the lock (a wait that hit the deadline, or a turn given up on)
+        self.give_ups = 0  # waits that hit the deadline
         self._mu = threading.Lock()
         self._ask = threading.Semaphore(0)  # engine -> helper: block until the lock is ours
         self._got = threading.Event()  # helper -> engine: it is
@@ -46,6 +68,18 @@ class CoreLock:
         self._wanted = False  # someone waits for the helper's result (else it lets the lock go)
         self._closed = False
         self._helper: threading.Thread | None = None
+        self._given_up: bytes | None = None  # the stamp of the turn this role last gave up waiting on
+
+    def _stamp(self) -> None:
+        os.pwrite(self.fd, STAMP.pack(os.getpid() & 0xFFFFFFFF, next(_turns)), 0)
+
+    def holder(self) -> bytes:
+        """The stamp of the holder (zeros once it let go; what a killed holder left until the next one)."""
+        return os.pread(self.fd, STAMP.size, 0)
+
+    def _holder_lives(self) -> bool:
+        """A holder that died left its stamp; the kernel dropped its lock, so a wait now ends at once."""
+        return process_state(STAMP.unpack(self._given_up)[0]) not in ("gone", "Z", "X")
 
     def acquire(self) -> bool:
         """True once held; False after deadline_s without it (the caller computes anyway)."""
@@ -53,9 +87,14 @@ class CoreLock:
             if not self._pending:
                 try:
                     fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    self._stamp()
                     return True
                 except BlockingIOError:
                     pass
+            if self._given_up is not None and self.holder() == self._given_up and self._holder_lives():
+                self.overruns += 1  # the turn this role gave up on still holds it: no second wait
+                return False
+            if not self._pending:
                 if self._helper is None:
                     self._helper = threading.Thread(target=self._wait_loop, name="trnd-corelock", daemon=True)
                     self._helper.start()
@@ -68,12 +107,19 @@ class CoreLock:
             self.waited_s += time.monotonic() - t0
             if self._got.is_set():
                 self._got.clear()
+                self._given_up = None
+                self._stamp()
                 return True
             self._wanted = False
+            stamp = self.holder()
+            self._given_up = stamp if len(stamp) == STAMP.size and any(stamp) else None
         self.overruns += 1
-        if self.overruns == 1 or self.overruns % 100 == 0:
-            log.warning("core lock %s: another role held it over %.1f s; computing without it (%d times so "
-                        "far)", self.path, self.deadline_s, self.overruns)
+        self.give_ups += 1
+        if self.give_ups == 1 or self.give_ups % 100 == 0:
+            pid = STAMP.unpack(stamp)[0] if self._given_up else 0
+            log.warning("core lock %s: pid %s (state %s) held it over %.1f s; computing without it until it lets go "
+                        "(%d turns given up so far)", self.path, pid or "?", process_state(pid) if pid else "?",
+                        self.deadline_s, self.give_ups)
         return False
 
     def _wait_loop(self) -> None:
@@ -94,6 +140,7 @@ class CoreLock:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)  # the wait was abandoned: not ours to keep
 
     def release(self) -> None:
+        os.pwrite(self.fd, bytes(STAMP.size), 0)  # the stamp names a holder only while one holds the lock
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     @contextmanager

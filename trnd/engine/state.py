@@ -105,7 +105,11 @@ def request_traces(engine, rid: str) -> list[S.Trace]:
     """/admin/requests/{rid}: the request with this id (or, on prefill, `p<peer>/<rid>`) live in the
     scheduler or among the recently ended, with its phases so far (engine/trace.py)."""
     def match(r: str) -> bool:
-        return r == rid or r.endswith("/" + rid)
+        base, dash, i = r.rpartition("-")
+        for name in (r, base) if dash and i.isdigit() else (r,):  # an n > 1 request's choice i is `<id>-<i>`
+            if name == rid or name.endswith("/" + rid):
+                return True
+        return False
 
     sched = engine.scheduler
     live = [*sched.running, *sched.waiting, *(j.req for j in sched.parked.values() if not j.aborted)]

@@ -20,6 +20,11 @@ MAX_PHASES = 128  # per request (a request preempted over and over keeps its fir
 #                   handed off in 2048-token chunks is ~70: each write posted and done, the digest, the first token
 
 
+def _short(session: str | None, limit: int = 128) -> str | None:
+    """A client's session id as the log line shows it: cut beyond `limit` characters (it may be megabytes)."""
+    return session if session is None or len(session) <= limit else f"{session[:limit]}...({len(session)} chars)"
+
+
 def phase(req: Req, what: str) -> None:
     if len(req.trail) < MAX_PHASES:
         req.trail.append((time.time(), what))
@@ -35,7 +40,7 @@ def finished(req: Req, reason: str, error: BaseException | None = None) -> S.Tra
     t = record(req, "done", reason, error)
     if log.isEnabledFor(logging.INFO):
         log.info("request %s done: session=%s prompt=%d cached=%d [%s] loaded=%d [%s] ttft=%s out=%d "
-                 "preemptions=%d finish=%s%s", req.rid, req.session_id or "-", req.num_prompt, t.cached_tokens,
+                 "preemptions=%d finish=%s%s", req.rid, _short(req.session_id) or "-", req.num_prompt, t.cached_tokens,
                  S.sources(t.cached_from), sum(t.loaded_from.values()), S.sources(t.loaded_from),
                  f"{t.ttft_ms:.1f}ms" if t.ttft_ms is not None else "-", req.num_output, req.num_preemptions,
                  reason, f" error={error}" if error is not None else "")

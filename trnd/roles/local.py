@@ -118,7 +118,9 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
 
 START_GRACE_S = 60.0  # a child's imports before its first notify message, against the watchdog
 RELOAD_WAIT_S = 30.0  # for every child's READY after a forwarded SIGHUP; then READY=1 regardless
-KEEP_ON_RELOAD = ("host", "port", "control_port", "admin_port", "prefill", "targets", "secret_file")
+# core_lock: the re-read config names its own scratch copy; a role restarted after the reload must share the lock
+# the others hold (and the running ones would log it as needing a restart)
+KEEP_ON_RELOAD = ("host", "port", "control_port", "admin_port", "prefill", "targets", "secret_file", "core_lock")
 
 
 def rewrite(children: list[Child], fresh: list[Child]) -> None:

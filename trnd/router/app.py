@@ -63,6 +63,7 @@ class RouterState(Readiness):
     targets: Targets
     index: PrefixIndex
     tokenizer: object | None = None  # trnd Tokenizer of the targets' model: exact prompt counts
+    target_key: str | None = None  # read at start and on reload, never per request
     routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0, "random": 0})
     metrics: RouterMetrics | None = None
     sprayed: int = 0
@@ -74,14 +75,15 @@ class RouterState(Readiness):
         self.not_ready_why = lambda: "no healthy decode server: " + "; ".join(
             f"{t.addr}: {t.error or 'probing'}" for t in self.targets.all)
         self.ready_hold_s = self.cfg.ready_hold_s
+        self.target_key = self.cfg.resolved_target_key()
 
     def reload(self, cfg: RouterConfig, live: list[str]):
         """daemon/lifecycle.py Readiness.reload: targets, the key sent to them and the clients' key. Both
         key files are read now; a missing one changes nothing."""
-        swap, headers = key_swap(self.auth, cfg), target_headers(cfg)
+        swap, headers, target_key = key_swap(self.auth, cfg), target_headers(cfg), cfg.resolved_target_key()
 
         def commit() -> list[str]:
-            self.cfg = cfg
+            self.cfg, self.target_key = cfg, target_key
             self.targets.set_addrs(cfg.targets)
             self.targets.headers = headers
             return swap()
@@ -192,7 +194,7 @@ def _route(path: str):
             body = msgspec.json.encode(data)
         text = prompt_text(path, data)
         headers = {"content-type": "application/json"}
-        key = st.cfg.resolved_target_key()
+        key = st.target_key
         auth = f"Bearer {key}" if key else request.headers.get("authorization")
         if auth:
             headers["authorization"] = auth
