@@ -17,7 +17,7 @@ FLOORS = [
     ["trnd_kernels", "trnd", "trnd.aio", "trnd.log", "trnd.points", "trnd.parallel", "trnd.procs", "trnd.sampling_params",
      "trnd.snapshot"],
     ["trnd.config"],
-    ["trnd.backends", "trnd.daemon", "trnd.http", "trnd.transfer", "trnd.top"],
+    ["trnd.backends", "trnd.daemon", "trnd.http", "trnd.transfer", "trnd.top", "trnd.events"],
     ["trnd.cache", "trnd.model", "trnd.store"],
     ["trnd.engine"],
     ["trnd.api", "trnd.router", "trnd.llm", "trnd.compile_cache"],

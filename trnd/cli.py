@@ -49,6 +49,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, help="TCP port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
     _compute_flags(p)
+    _kv_events_flag(p)
     p.add_argument("--aggregated", action="store_const", const=True,
                    help="one process (API + engine); default: a local prefill + decode deployment")
     p.add_argument("--point", help="decode point of the local deployment (configs/points.toml; default 8k)")
@@ -95,8 +96,28 @@ def _serve_parser(sub) -> None:
                    help="split <think>...</think> into reasoning_content (default none)")
 
 
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _kv_events_flag(p) -> None:
+    p.add_argument("--kv-events-config", dest="kv_events", type=_json_object, metavar="JSON",
+                   help="KV events in vLLM's format, vLLM's flag as is: '{\"enable_kv_cache_events\": true, "
+                        "\"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": \"tcp://127.0.0.1:5558\"}' "
+                        "(endpoints default to this role's host, ephemeral ports: /admin/state kv_events)")
+
+
 def _role_flags(p) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML role config (see configs/)")
+    _kv_events_flag(p)
     p.add_argument("--model", metavar="DIR", help="Hugging Face model directory or preset name (tiny, small)")
     p.add_argument("--point", help="named decode point (configs/points.toml): both roles must use the same one")
     p.add_argument("--tp", type=int, help="tensor-parallel degree of this role")

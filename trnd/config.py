@@ -27,6 +27,26 @@ class StartupError(RuntimeError):
     """A role that must not start (pool too small for the point, bad layout): one line, exit EX_CONFIG."""
 
 
+class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's --kv-events-config (vllm/config/kv_events.py), key for key: the engine's prefix cache publishes
+    what it stores and drops (trnd/events). The same JSON works on `--kv-events-config` here and on vLLM."""
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None  # None: zmq when enabled
+    endpoint: str | None = None  # PUB; None: tcp://<the role's host>:0 (an ephemeral port, in /admin/state)
+    replay_endpoint: str | None = None  # ROUTER for replays; None: tcp://<the role's host>:0 as well
+    buffer_steps: Positive = 10_000  # batches kept for replay
+    hwm: Positive = 100_000
+    max_queue_size: Positive = 100_000
+    topic: str = ""
+    # trnd's: how block hashes are made, as vLLM's --prefix-caching-hash-algo and PYTHONHASHSEED make them
+    hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
+    hash_seed: str | None = None  # None: $PYTHONHASHSEED, else vLLM's fixed seed
+
+    @property
+    def on(self) -> bool:
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+
 class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The aggregated server (`trnd serve`): one process owning model, scheduler and HTTP front."""
     model: str | None = None  # None: the embedded default (a tiny model made on first use)
@@ -60,6 +80,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     threads: Positive | None = None
     log_level: str = "info"
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+    kv_events: KVEventsConfig | None = None  # KV events in vLLM's format (trnd/events); None: off
     # An OpenAI request that arrives before the server can serve it (starting, or a decode server with no
     # prefill peer) is held this long, then answered 503 with Retry-After.
     ready_hold_s: Annotated[float, Meta(ge=0)] = 30.0
@@ -283,6 +304,7 @@ class PrefillConfig(RoleConfig, kw_only=True):
     admin_port: Port = 8101  # /health, /ready, /metrics, /admin/state
     pipeline: bool = True  # write each chunk's pages while the next computes; False: all at the end (benchmarks)
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0  # SIGTERM: in-flight prefills may finish this long
+    kv_events: KVEventsConfig | None = None  # as ServeConfig.kv_events: prefill's cache (the prefill leg's routes)
 
     resolved_api_key = ServeConfig.resolved_api_key
 

@@ -57,6 +57,20 @@ class Radix(_S):
     salts: int = 0  # cache salts (tenants: http/tenant.py) with pages in this cache, beside the shared space
 
 
+class KVEvents(_S):
+    """Where this engine publishes its KV events (trnd/events; vLLM's format) and how far it got."""
+    endpoint: str = ""
+    replay_endpoint: str | None = None
+    topic: str = ""
+    block_size: int = 0
+    hash_algo: str = ""
+    seq: int = 0  # batches published
+    dropped: int = 0  # batches a full queue lost
+    replays: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+
+
 class LoadMs(_S):
     n: int = 0
     p50: float | None = None
@@ -327,6 +341,7 @@ class State(msgspec.Struct, kw_only=True, omit_defaults=True):
     static: Static | None = None
     integrity: Integrity | None = None
     kernels: Kernels | None = None  # the CPU backend only
+    kv_events: KVEvents | None = None
     # disaggregated roles (and the router: its targets are its peers)
     transfers: Transfers | None = None
     peers: list[Peer] | None = None

@@ -69,6 +69,8 @@ class RadixCache:
         # Called with (hashes, pages) of an evicted node before its pages are unref'ed, so a host
         # tier can copy the KV out first.
         self.on_evict = on_evict
+        # KV events (trnd/events/record.py Recorder): told of every page that enters or leaves the tree
+        self.events = None
         self._ids = itertools.count()
         self._clock = itertools.count(1)
         self.root = Node(None, (), [], [], next(self._ids))
@@ -186,6 +188,8 @@ class RadixCache:
                 leaf = Node(node, tokens[pos:], new_pages, hashes, next(self._ids))
                 leaf.last_access = tick
                 node.children[tokens[pos:pos + ps]] = leaf
+                if self.events is not None:
+                    self.events.stored(node.hashes[-1] if node.hashes else None, hashes, tokens[pos:], salt)
                 self._num_cached += len(new_pages)
                 self._num_nodes += 1
                 break
@@ -214,6 +218,8 @@ class RadixCache:
             parent = node.parent
             if self.on_evict is not None:
                 self.on_evict(list(node.hashes), list(node.pages))
+            if self.events is not None:
+                self.events.removed(node.hashes)
             freed += len(self.pool.unref(node.pages))
             del parent.children[node.key[:self.page_size]]
             node.parent = None

@@ -177,6 +177,7 @@ class Engine:
         self.xfer_metrics = TransferMetrics(Path(cfg.model).resolve().name)  # the served name: api/metrics.py
         self.tiers = self._make_tiers()
         self.scheduler.tiers = self.tiers
+        self.kv_events = None  # trnd/events Recorder once publish_kv_events ran
         if self.workers:
             self.workers.ready()
         self.sampler = Sampler(self.tokenizer.eos_token_ids, seed=cfg.seed, argmax=self.model.ops.argmax)
@@ -394,15 +395,40 @@ class Engine:
             return "length"
         return None
 
+    def publish_kv_events(self, cfg, host: str = "127.0.0.1") -> None:
+        """KV events in vLLM's format from this engine's prefix cache (trnd/events; cfg: config.KVEventsConfig,
+        host: where an endpoint left unset binds). A bind that fails is a StartupError naming the endpoint."""
+        if cfg is None or not cfg.on or self.kv_events is not None:
+            return
+        from trnd.events.hashes import VllmHasher
+        from trnd.events.publisher import Publisher
+        from trnd.events.record import Recorder
+
+        try:
+            hasher = VllmHasher(cfg.hash_algo, cfg.hash_seed)
+            pub = Publisher(cfg.endpoint or f"tcp://{host}:0", cfg.replay_endpoint or f"tcp://{host}:0", cfg.topic,
+                            cfg.buffer_steps, cfg.hwm, cfg.max_queue_size)
+        except (OSError, ValueError) as e:  # a port taken, a bad endpoint, cbor2 missing: one line, exit 78
+            raise StartupError(f"kv_events: {e}") from None
+        self.kv_events = Recorder(self.cfg.page_size, hasher, pub.publish)
+        self.kv_events.publisher = pub
+        self.radix.events = self.kv_events
+
     def poll(self) -> bool:
-        """Housekeeping between steps (every loop iteration, idle or not): reap finished tier transfers.
-        True while any is in flight."""
+        """Housekeeping between steps (every loop iteration, idle or not): reap finished tier transfers,
+        publish the KV events the step made. True while any transfer is in flight."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
         if self.tiers is None:
             return False
         self.tiers.poll()
         return self.tiers.busy
 
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.flush()
+            self.kv_events.publisher.close()
+            self.kv_events = None
         if self.core_lock is not None:
             self.core_lock.close()
             self.core_lock = None

@@ -92,7 +92,15 @@ def engine_state(engine) -> S.State:
         static=static_state(engine),
         integrity=engine.integrity,
         kernels=kernels_state(engine.kernels),
+        kv_events=kv_events_state(engine.kv_events),
     )
+
+
+def kv_events_state(rec) -> S.KVEvents | None:
+    if rec is None:
+        return None
+    return S.KVEvents(**rec.publisher.state(), block_size=rec.page_size, hash_algo=rec.hasher.algo,
+                      stored_blocks=rec.stored_blocks, removed_blocks=rec.removed_blocks)
 
 
 def kernels_state(k) -> S.Kernels | None:

@@ -114,6 +114,7 @@ class DecodeServer:
         self.secret = cfg.resolved_secret()
         self.engine, self.point = build_engine(model_dir, cfg, role="decode", secret=self.secret,
                                                max_model_len=cfg.max_model_len)
+        self.engine.publish_kv_events(cfg.kv_events, cfg.host)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "decode", model_name)
         self.capacity = point_capacity(self.engine, self.point)

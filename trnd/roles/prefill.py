@@ -55,6 +55,7 @@ class PrefillServer:
         self.cfg = cfg
         self.secret = cfg.resolved_secret()
         self.engine, self.point = build_engine(model_dir, cfg, role="prefill", secret=self.secret)
+        self.engine.publish_kv_events(cfg.kv_events, cfg.host)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "prefill", model_name)
         self.capacity = point_capacity(self.engine, self.point)

@@ -56,6 +56,7 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
                                  store_deadline_s=cfg.store_deadline_s, static=cfg.static, core_lock=cfg.core_lock,
                                  compile_decode=cfg.compile_decode, transfer_backend=cfg.transfer_backend))
         try:
+            engine.publish_kv_events(cfg.kv_events, cfg.host)
             life.status("warming up")
             log.info("warm-up took %.2f s", warm_up(engine))
             loop = life.loop = EngineLoop(engine, cfg.max_requests).start()
