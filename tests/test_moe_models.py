@@ -209,3 +209,20 @@ def test_model_init_writes_quantized_presets(tmp_path):
                           "--quant", "mxfp4"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 78 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert "mxfp4" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["moe", "gptoss", "moe-fp8", "gptoss-mxfp4"])
+def test_total_and_active_parameters_from_the_headers(models_dir, name):
+    from trnd.model import maker
+    from trnd.model.size import model_size
+
+    path = _make(models_dir, name, **MODELS[name])
+    cfg = json.loads((path / "config.json").read_text())
+    size = model_size(path)
+    assert (size.total_params, size.active_params) == (maker.param_count(cfg), maker.active_param_count(cfg))
+    assert size.active_params < size.total_params
+    stored = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert 0.95 * stored < size.weight_bytes <= stored  # the files less their headers
+    if name == "moe-fp8":  # fp8 codes: about a byte a parameter (embeddings, norms and router in fp32)
+        dense = model_size(_make(models_dir, "moe", **MODELS["moe"]))
+        assert size.weight_bytes < 0.6 * dense.weight_bytes

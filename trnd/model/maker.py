@@ -336,8 +336,8 @@ def active_param_count(cfg: dict) -> int:
     if kind not in ("qwen3_moe", "gpt_oss"):
         return total
     e = cfg["num_local_experts"] if kind == "gpt_oss" else cfg["num_experts"]
-    per_expert = 3 * cfg["hidden_size"] * (cfg["intermediate_size"] if kind == "gpt_oss" else
-                                           cfg["moe_intermediate_size"])
+    h, i = cfg["hidden_size"], cfg["intermediate_size"] if kind == "gpt_oss" else cfg["moe_intermediate_size"]
+    per_expert = 3 * h * i + (2 * i + h if kind == "gpt_oss" else 0)  # GPT-OSS: the expert's biases too
     return total - len(_sparse_layers(cfg)) * (e - cfg["num_experts_per_tok"]) * per_expert
 
 
