@@ -215,3 +215,33 @@ def test_a_taken_endpoint_is_one_line_exit_78(tiny_qwen3):
         assert "kv_events" in out.stderr and str(port) in out.stderr and "Traceback" not in out.stderr
     finally:
         taken.close(0)
+
+
+def test_a_restarted_publisher_on_a_fixed_endpoint_is_followed_from_its_first_batch():
+    from .procs import free_port
+
+    ep, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub = Publisher(ep, rep)
+    sub = Subscriber(ep, rep)
+    time.sleep(0.3)
+    got = []
+    try:
+        for ts in (1.0, 2.0):
+            pub.publish(wire.KVEventBatch(ts=ts, events=[]))
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += sub.poll(100)
+        pub.close()
+        pub = Publisher(ep, rep)  # seq starts at 0 again; the SUB reconnects by itself, missing what came before
+        ts, deadline = 10.0, time.monotonic() + 10
+        while not any(b.ts >= 10.0 for _, b in got) and time.monotonic() < deadline:
+            pub.publish(wire.KVEventBatch(ts=ts, events=[wire.AllBlocksCleared()] if ts == 10.0 else []))
+            ts += 1.0
+            got += sub.poll(200)
+        after = [b.ts for _, b in got if b.ts >= 10.0]
+        assert [b.ts for _, b in got][:2] == [1.0, 2.0]
+        assert after and after == [10.0 + i for i in range(len(after))]  # from the new first batch, replayed
+        assert sub.restarts == 1 and sub.lost == 0
+    finally:
+        sub.close()
+        pub.close()

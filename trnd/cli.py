@@ -50,6 +50,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
     _compute_flags(p)
     _kv_events_flag(p)
+    _remote_flag(p)
     p.add_argument("--aggregated", action="store_const", const=True,
                    help="one process (API + engine); default: a local prefill + decode deployment")
     p.add_argument("--point", help="decode point of the local deployment (configs/points.toml; default 8k)")
@@ -115,9 +116,17 @@ def _kv_events_flag(p) -> None:
                         "(endpoints default to this role's host, ephemeral ports: /admin/state kv_events)")
 
 
+def _remote_flag(p) -> None:
+    p.add_argument("--remote-config", dest="remote", type=_json_object, metavar="JSON",
+                   help="the L3 backend, as [remote] in TOML: '{\"backend\": \"mooncake\", \"master\": "
+                        "\"127.0.0.1:50051\", \"metadata_server\": \"http://127.0.0.1:8080/metadata\"}' "
+                        "(default: the `trnd store`s given with --store)")
+
+
 def _role_flags(p) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML role config (see configs/)")
     _kv_events_flag(p)
+    _remote_flag(p)
     p.add_argument("--model", metavar="DIR", help="Hugging Face model directory or preset name (tiny, small)")
     p.add_argument("--point", help="named decode point (configs/points.toml): both roles must use the same one")
     p.add_argument("--tp", type=int, help="tensor-parallel degree of this role")
@@ -179,6 +188,9 @@ def _router_parser(sub) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
     p.add_argument("--policy", choices=["affinity", "random"],
                    help="affinity (default): session, prefix, load; random: the session-unaware baseline for benchmarks")
+    p.add_argument("--kv-events", action="store_const", const=True,
+                   help="route prefixes on the targets' KV events (their real caches; needs --model and targets "
+                        "started with --kv-events-config) instead of the texts this router sent")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -187,14 +199,8 @@ def _model_parser(sub) -> None:
     msub = p.add_subparsers(dest="model_cmd", required=True)
     i = msub.add_parser("init", help="write a random-weight Hugging Face-format model with a trained tokenizer")
     i.add_argument("dir", help="output directory")
-    # maker.PRESET_NAMES and maker.ARCHS (not imported here: the maker imports torch; tests/test_maker.py checks)
-    i.add_argument("--preset", choices=["tiny", "small", "tiny-moe", "small-moe", "tiny-gptoss"], default="tiny",
-                   help="tiny: tests; small: ~100M, benchmarks; tiny-moe / small-moe: Qwen3-MoE (small-moe ~380M, "
-                   "~85M active); tiny-gptoss: GPT-OSS")
-    i.add_argument("--arch", choices=["qwen3", "llama", "qwen3_moe", "gpt_oss"],
-                   help="default: the preset's (qwen3 for tiny and small)")
-    i.add_argument("--quant", choices=["fp8", "mxfp4"],
-                   help="fp8: block-scaled FP8 linears (the Qwen3 *-FP8 format); mxfp4: GPT-OSS's MXFP4 experts")
+    i.add_argument("--preset", choices=["tiny", "small"], default="tiny", help="tiny: tests; small: ~100M, benchmarks")
+    i.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
 
@@ -277,6 +283,9 @@ def _bench_parser(sub) -> None:
     ag = bsub.add_parser("agentic", help="agent sessions at growing context (AgentX's shape) replayed against any "
                                          "OpenAI server, or trnd and vLLM side by side")
     agentic.add_arguments(ag)
+    from trnd.bench import l3
+
+    l3.add_arguments(bsub.add_parser("l3", help="the L3 tier on trnd store vs Mooncake Store: GB/s and L3-hit TTFT"))
     t = bsub.add_parser("tiers", help="multi-turn agentic replay: tiers off vs host L2 vs L2 + remote L3")
     t.add_argument("--model", default="small", help="model dir or preset (default small)")
     t.add_argument("--point", default="8k")
@@ -423,16 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "model":
             from trnd.model.maker import make_model
 
-            from trnd.model.maker import preset_arch
-
-            try:
-                path = make_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype,
-                                  quant=args.quant)
-            except ValueError as e:  # a combination the maker does not write: one line, as a config error
-                raise ConfigError(str(e)) from None
-            quant = f", {args.quant} weights" if args.quant else ""
-            print(f"trnd: wrote {args.preset} {preset_arch(args.preset, args.arch)} model (seed {args.seed}{quant}) "
-                  f"to {path}")
+            path = make_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype)
+            print(f"trnd: wrote {args.preset} {args.arch} model (seed {args.seed}) to {path}")
             return 0
         if args.cmd == "compile":
             from trnd.roles import compile as compile_role

@@ -47,6 +47,20 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
 
 
+class RemoteConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The L3 tier's backend: `trnd store`s (their addresses in `store`) or Mooncake Store (store/mooncake.py)."""
+    backend: Literal["trnd", "mooncake"] = "trnd"
+    master: str = "127.0.0.1:50051"  # mooncake_master's --rpc_address:--rpc_port
+    metadata_server: str = "http://127.0.0.1:8080/metadata"  # its HTTP metadata server, or P2PHANDSHAKE, etcd://...
+    protocol: Literal["tcp", "rdma", "efa"] = "tcp"
+    device: str = ""  # RDMA/EFA devices ("" for tcp)
+    local_hostname: str = "127.0.0.1"  # how the other clients reach this one's segment
+    # memory this process lends to the store's pool; 0: none, the pages live on store nodes (`mooncake_client`),
+    # so they outlive this role (a role's own segment, and the pages in it, go when it stops)
+    segment_gb: Annotated[float, Meta(ge=0)] = 0.0
+    buffer_gb: Annotated[float, Meta(gt=0)] = 0.125  # this client's staging buffer
+
+
 class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The aggregated server (`trnd serve`): one process owning model, scheduler and HTTP front."""
     model: str | None = None  # None: the embedded default (a tiny model made on first use)
@@ -81,6 +95,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: str = "info"
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
     kv_events: KVEventsConfig | None = None  # KV events in vLLM's format (trnd/events); None: off
+    remote: RemoteConfig | None = None  # the L3 backend; None: `trnd store`s at `store`
     # An OpenAI request that arrives before the server can serve it (starting, or a decode server with no
     # prefill peer) is held this long, then answered 503 with Retry-After.
     ready_hold_s: Annotated[float, Meta(ge=0)] = 30.0
@@ -284,6 +299,7 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     compile_decode: bool = False  # as ServeConfig.compile_decode
     core_lock: str | None = None  # as ServeConfig.core_lock
     transfer_backend: TransferBackend = "ucx"  # as ServeConfig.transfer_backend
+    remote: RemoteConfig | None = None  # as ServeConfig.remote
 
     def __post_init__(self):
         _check_common(self)
@@ -345,6 +361,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefix_entries: Positive = 200_000  # block hashes remembered (LRU)
     prefix_load_slack: Annotated[int, Meta(ge=0)] = 4  # a prefix target may carry this many more in flight
     policy: str = "affinity"  # affinity: session, prefix, load (trnd/router/policy.py); random: benchmarks
+    # route the prefix rule on the targets' KV events (their real caches: trnd/router/events.py) instead of
+    # the texts the router sent; needs `model` (the prompt's tokens) and targets started with kv events on
+    kv_events: bool = False
     ready_hold_s: Annotated[float, Meta(ge=0)] = 30.0  # no healthy target yet: a request waits this long, then 503
     max_body_bytes: Positive = 4 * 2**20
     log_level: str = "info"

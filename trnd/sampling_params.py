@@ -37,6 +37,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # The tenant's key space in every cache tier (cache/hashing.py): the API sets it from vLLM's `cache_salt`
     # and the API key (http/tenant.py); None: the shared space. Travels to prefill in PrefillReq.params.
     cache_salt: str | None = None
+    # Disaggregated decode: the prefill peer (its control address) a router found holding this prompt's prefix
+    # in its KV events (router/events.py); decode prefers it within a load slack (roles/decode.py _pick)
+    prefill_hint: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -245,6 +245,7 @@ class Transfers(_S):
     descriptors: int | None = None  # prefill: NIXL descriptors posted (pages coalesced into runs, transfer/plan.py)
     digest_failures: int | None = None  # decode: handoffs whose landed bytes failed the digest (transfer/digest.py)
     local_for_link: int | None = None  # decode: prompts prefilled here because the link was slower than recompute
+    prefill_by_prefix: int | None = None  # decode: handoffs to the peer a router found holding the prefix
     post_ms: float | None = None
     xfer_ms: float | None = None
     failed: int | None = None
@@ -277,6 +278,8 @@ class Peer(_S):
     sessions: int | None = None  # a router's target: sessions routed to it
     point: str | None = None  # a router's target: its decode point and context
     max_model_len: int | None = None
+    kv_events: str | None = None  # a decode's prefill peer: where that peer publishes its KV events
+    kv_events_replay: str | None = None
 
 
 class Routing(_S):

@@ -36,7 +36,6 @@ from trnd.config import ServeConfig
 from trnd.engine.engine import LengthError
 from trnd.engine.loop import DeadlineExceeded, EngineLoop, QueueFull, Unavailable
 from trnd.engine.output import StepOutput, TokenLogprob
-from trnd.model.size import model_size
 from trnd.http.app import json_response, read_body, state_of
 from trnd.http.errors import APIError, error_bytes
 from trnd.http.tenant import bearer, tenant_salt
@@ -90,7 +89,7 @@ async def chat_completions(request: Request) -> Response:
     req: P.ChatCompletionRequest = await _decode(request, st, P.ChatCompletionRequest)
     params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars,
                                    st.cfg.max_logit_bias, st.cfg.max_stop_token_ids)
-    params.cache_salt = salt_of(req, request, st)
+    params.cache_salt, params.prefill_hint = salt_of(req, request, st), prefill_hint(request)
     messages = chat_messages(req)
     plan = plan_chat(req, st.cfg.tool_call_parser, st.cfg.reasoning_parser)
     try:
@@ -113,6 +112,12 @@ def salt_of(req, request: Request, st: AppState) -> str | None:
     return tenant_salt(bearer(request.headers) if keyed else None, req.cache_salt)
 
 
+def prefill_hint(request: Request) -> str | None:
+    """The prefill peer a router found holding this prompt's prefix (x-trnd-prefill; a decode server only)."""
+    hint = request.headers.get("x-trnd-prefill")
+    return hint[:256] if hint else None
+
+
 def session_of(req, request: Request) -> str | None:
     """The body's session_id (or OpenAI's prompt_cache_key), else the x-session-id header the router forwards
     (and that clients of the router may send instead of a body field)."""
@@ -124,7 +129,7 @@ async def completions(request: Request) -> Response:
     req: P.CompletionRequest = await _decode(request, st, P.CompletionRequest)
     params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars,
                                    st.cfg.max_logit_bias, st.cfg.max_stop_token_ids)
-    params.cache_salt = salt_of(req, request, st)
+    params.cache_salt, params.prefill_hint = salt_of(req, request, st), prefill_hint(request)
     prompt = check_completion_prompt(req.prompt)
     params.grammar = request_grammar(req, st.loop.engine)
     ids = await _encode(st, prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
@@ -364,6 +369,5 @@ async def models(request: Request) -> Response:
     extra = st.state_extra() if st.state_extra is not None else {}
     cap = extra.get("capacity")
     card = P.ModelCard(st.model_name, "model", int(st.started), "trnd", engine.max_model_len, extra.get("point"),
-                       msgspec.structs.asdict(cap) if cap is not None else None, True if engine.cfg.static else None,
-                       msgspec.structs.asdict(model_size(engine.cfg.model)))
+                       msgspec.structs.asdict(cap) if cap is not None else None, True if engine.cfg.static else None)
     return json_response(P.ModelList("list", [card]))

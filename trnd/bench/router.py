@@ -39,6 +39,13 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-memory-gb", type=float, default=0.23,
                    help="pool per role: holds half the sessions' final histories, not all (small model, bf16)")
     p.add_argument("--policies", default="affinity,random")
+    p.add_argument("--events", action="store_true",
+                   help="routing on KV events: two aggregated servers publishing events behind two router replicas "
+                        "(each client request to the next replica, no session ids), trnd router on events vs its "
+                        "text guess vs vllm-router's kv_aware (--event-routers)")
+    p.add_argument("--event-routers", default="events,guess",
+                   help="router kinds, in order: events, guess, vllm-router (kv_aware; 0.1.17 decodes trnd's "
+                        "events but decided text prompts 'missing_tokens': docs/RESULTS.md)")
 
 
 def start(model: str, policy: str, args, tmp: Path) -> tuple[subprocess.Popen, int, int]:
@@ -64,11 +71,13 @@ def start(model: str, policy: str, args, tmp: Path) -> tuple[subprocess.Popen, i
     return proc, port, admin
 
 
-async def one_turn(client: httpx.AsyncClient, port: int, session: str, prompt: list[int], gen: int) -> dict:
+async def one_turn(client: httpx.AsyncClient, port: int, session: str | None, prompt: list[int], gen: int) -> dict:
     t, first, usage = time.perf_counter(), None, None
-    async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=900, json={
-            "model": "m", "prompt": prompt, "max_tokens": gen, "stream": True, "ignore_eos": True,
-            "temperature": 0, "session_id": session, "stream_options": {"include_usage": True}}) as r:
+    body = {"model": "m", "prompt": prompt, "max_tokens": gen, "stream": True, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    if session is not None:
+        body["session_id"] = session
+    async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=900, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"turn failed: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():
@@ -83,17 +92,22 @@ async def one_turn(client: httpx.AsyncClient, port: int, session: str, prompt: l
             "cached": details.get("cached_tokens") or 0}
 
 
-async def replay(port: int, sessions, growth, answers, args) -> dict:
-    """Round after round (turn t of every session, then turn t+1), `concurrency` at a time."""
+async def replay(port: int | list[int], sessions, growth, answers, args, with_session: bool = True) -> dict:
+    """Round after round (turn t of every session, then turn t+1), `concurrency` at a time; with several
+    ports (router replicas) each request goes to the next one."""
+    ports = port if isinstance(port, list) else [port]
     hist = [list(s) for s in sessions]
     rows: list[tuple[int, dict]] = []
     sem = asyncio.Semaphore(args.concurrency)
+    sent = iter(range(1 << 30))
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=args.concurrency + 4)) as client:
         for t in range(args.turns):
             async def turn(i: int, t=t) -> None:
                 async with sem:
                     prompt = hist[i] + growth[i][t]
-                    rows.append((t, await one_turn(client, port, f"session-{i}", prompt, args.gen)))
+                    p = ports[next(sent) % len(ports)]
+                    rows.append((t, await one_turn(client, p, f"session-{i}" if with_session else None, prompt,
+                                                   args.gen)))
                     hist[i] = prompt + answers[i]
             await asyncio.gather(*(turn(i) for i in range(len(sessions))))
     cached_ttft = [r["ttft"] for t, r in rows if t > 0]
@@ -102,20 +116,116 @@ async def replay(port: int, sessions, growth, answers, args) -> dict:
             statistics.median([r["ttft"] for t, r in rows if t == 0])}
 
 
-def main(args) -> int:
+def workload(model: str, args):
     import torch
-
-    from trnd.model.maker import resolve_model
 
     from trnd.model.config import ModelConfig
 
-    model = str(resolve_model(args.model))
     g = torch.Generator().manual_seed(0)
     vocab = min(15000, ModelConfig.from_dir(model).vocab_size - 1)
     sessions = [torch.randint(10, vocab, (args.first,), generator=g).tolist() for _ in range(args.sessions)]
     growth = [[torch.randint(10, vocab, (args.growth,), generator=g).tolist() for _ in range(args.turns)]
               for _ in range(args.sessions)]
     answers = [torch.randint(10, vocab, (args.gen,), generator=g).tolist() for _ in range(args.sessions)]
+    return sessions, growth, answers
+
+
+def _router(kind: str, model: str, servers: list[int], tmp: Path, n: int) -> tuple[subprocess.Popen, int]:
+    """One router replica: trnd router on events, trnd router guessing from its own texts, or vllm-router's
+    kv_aware policy fed by the servers' events."""
+    import os
+    import shutil
+
+    port = free_port()
+    log = open(tmp / f"{kind}-{n}.log", "w")
+    if kind == "vllm-router":
+        exe = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
+        cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware", "--worker-urls",
+               *[f"http://127.0.0.1:{p}" for p in servers], "--kv-event-block-size", "16", "--kv-event-model", model,
+               "--health-check-endpoint", "/ready", "--prometheus-port", str(free_port())]
+        for p in servers:
+            kv = httpx.get(f"http://127.0.0.1:{p}/admin/state").json()["kv_events"]
+            cmd += ["--kv-event-source", f"http://127.0.0.1:{p}={kv['endpoint']}"]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ,
+                                                                                   VLLM_ROUTER_TOKENIZER=model))
+        path = "/health"
+    else:
+        cmd = [sys.executable, "-m", "trnd", "router", "--port", str(port), "--model", model, "--log-level", "warning",
+               *sum((["--target", f"127.0.0.1:{p}"] for p in servers), [])] + (["--kv-events"] if kind == "events" else [])
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        path = "/ready"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            _stop([proc])
+            raise RuntimeError(f"router {kind} did not start: {(tmp / f'{kind}-{n}.log').read_text()[-2000:]}")
+        time.sleep(0.3)
+    time.sleep(1.0)  # its event subscriptions connect and replay
+    return proc, port
+
+
+def main_events(args, model: str) -> int:
+    """Two aggregated servers publishing KV events, each router kind as two replicas (each request to the next
+    replica, as two gateway pods would take them): a router that guesses knows only what it routed, half the
+    traffic; one that reads the events knows both servers' real caches, evictions included."""
+    sessions, growth, answers = workload(model, args)
+    events = json.dumps({"enable_kv_cache_events": True})
+    print(f"trnd bench router --events: model {model}, 2 x trnd serve --aggregated (kv events on, pool "
+          f"{args.kv_memory_gb} GiB each) behind 2 router replicas, {args.sessions} sessions x {args.turns} turns, "
+          f"no session ids ({args.concurrency} at a time)", flush=True)
+    print(cpu_line(), flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="trnd-bench-router-events-") as tmp:
+        servers, ports = [], []
+        try:
+            for i in range(2):
+                p = free_port()
+                log = open(Path(tmp) / f"server{i}.log", "w")
+                servers.append(subprocess.Popen(
+                    [sys.executable, "-m", "trnd", "serve", "--aggregated", "--model", model, "--port", str(p),
+                     "--kv-memory-gb", str(args.kv_memory_gb), "--served-model-name", "m", "--log-level", "warning",
+                     "--kv-events-config", events], stdout=log, stderr=subprocess.STDOUT))
+                ports.append(p)
+            for p, proc in zip(ports, servers):
+                wait_ready(p, [proc], timeout=600)
+            for kind in args.event_routers.split(","):
+                for p in ports:  # every kind starts from cold caches
+                    httpx.post(f"http://127.0.0.1:{p}/admin/evict", timeout=60)
+                routers = [_router(kind, model, ports, Path(tmp), n) for n in range(2)]
+                try:
+                    t0 = time.perf_counter()
+                    res = asyncio.run(replay([rp for _, rp in routers], sessions, growth, answers, args,
+                                             with_session=False))
+                    res["wall_s"] = time.perf_counter() - t0
+                    res["computed"] = res["prompt_tokens"] - res["cached_tokens"]
+                finally:
+                    _stop([proc for proc, _ in routers])
+                results[kind] = res
+                print(f"  {kind}: {res}", flush=True)
+        finally:
+            _stop(servers)
+    names = list(results)
+    print(f"\n{'metric':<34}" + "".join(f"{n:>14}" for n in names))
+    for key, label in (("prompt_tokens", "prompt tokens sent"), ("cached_tokens", "served from a server's cache"),
+                       ("computed", "prompt tokens computed"), ("ttft_cached_p50", "later-turn TTFT p50 (s)"),
+                       ("wall_s", "replay wall time (s)")):
+        print(f"{label:<34}" + "".join(f"{results[n][key]:>14.3f}" if isinstance(results[n][key], float)
+                                       else f"{results[n][key]:>14}" for n in names))
+    return 0
+
+
+def main(args) -> int:
+    from trnd.model.maker import resolve_model
+
+    model = str(resolve_model(args.model))
+    if args.events:
+        return main_events(args, model)
+    sessions, growth, answers = workload(model, args)
     final = args.first + args.turns * args.growth + (args.turns - 1) * args.gen
     print(f"trnd bench router: model {model}, trnd serve --prefill 1 --decode 2, {args.sessions} sessions x "
           f"{args.turns} turns ({args.concurrency} at a time), +{args.growth} tokens a turn, final history {final} "

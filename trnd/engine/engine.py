@@ -73,6 +73,7 @@ class EngineConfig:
     compiler: str | None = None  # the static path's torch.compile backend; None: static.COMPILERS for the device
     core_lock: str | None = None  # a file the roles sharing this node's cores lock per forward (engine/corelock.py)
     transfer_backend: str = "ucx"  # the NIXL backend of this process's agent (transfer/backends.py)
+    remote: object = None  # config.RemoteConfig: the L3 backend (Mooncake: store/mooncake.py); None: `store`
     compile_decode: bool = False  # decode-only steps through one inductor graph (engine/compiled.py); CPU
 
     def __post_init__(self):
@@ -227,7 +228,8 @@ class Engine:
 
     def _make_tiers(self) -> Tiers | None:
         cfg = self.cfg
-        if not cfg.prefix_cache or (cfg.host_cache_gb <= 0 and not cfg.store):
+        mooncake = cfg.remote is not None and cfg.remote.backend == "mooncake"
+        if not cfg.prefix_cache or (cfg.host_cache_gb <= 0 and not cfg.store and not mooncake):
             return None
         host = None
         if cfg.host_cache_gb > 0:
@@ -238,7 +240,16 @@ class Engine:
                 self.budget.reserve(slots * row, "host KV tier (host_cache_gb)")
             host = HostTier(self.pools, slots)
         remote = None
-        if cfg.store:
+        if mooncake:
+            from trnd.store.mooncake import MooncakeTier
+
+            try:
+                remote = MooncakeTier(cfg.remote, self.layout(), self.pools, self.namespace,
+                                      dtype=self.runner.kv_dtype, deadline_s=cfg.store_deadline_s,
+                                      metrics=self.xfer_metrics)
+            except RuntimeError as e:  # the extra missing, or no master: one line at start
+                raise StartupError(str(e)) from None
+        elif cfg.store:
             from trnd.store.client import StoreClient
 
             if not cfg.store_secret:

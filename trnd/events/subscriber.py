@@ -26,7 +26,8 @@ class Subscriber:
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sub.connect(endpoint)
         self.next_seq: int | None = None  # the seq expected next; None: nothing seen yet
-        self.gaps = self.replayed = self.lost = 0
+        self.live_last: int | None = None  # the last seq seen on the live socket
+        self.gaps = self.replayed = self.lost = self.restarts = 0
 
     def close(self) -> None:
         self.sub.close(0)
@@ -42,6 +43,12 @@ class Subscriber:
             except zmq.Again:
                 return out
             seq = int.from_bytes(seq_b, "big")
+            if self.live_last is not None and seq <= self.live_last:
+                # seq went back on the live socket: the publisher started again (a fixed endpoint). What it
+                # sent before this one comes from its replay buffer, from its first batch (AllBlocksCleared)
+                self.restarts += 1
+                self.next_seq = 0
+            self.live_last = seq
             if self.next_seq is not None and seq < self.next_seq:
                 continue  # already had it (replayed)
             if self.next_seq is not None and seq > self.next_seq:

@@ -68,7 +68,7 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
                                  store_deadline_s=cfg.store_deadline_s, role=role, static=static,
                                  point=point.name if static else None, compiler=compiler,
                                  core_lock=cfg.core_lock, compile_decode=cfg.compile_decode,
-                                 transfer_backend=cfg.transfer_backend))
+                                 transfer_backend=cfg.transfer_backend, remote=cfg.remote))
     log.info(point_capacity(engine, point).line())
     if static and cache is None:
         log.info("static path without a compile cache: each bucket is compiled on its first use (`trnd compile` "

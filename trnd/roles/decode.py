@@ -41,6 +41,7 @@ log = logging.getLogger("trnd.decode")
 # where here its chunk rides in a decode step), the KV write and two control hops. Dynamo's default for
 # its max_local_prefill_length; longer prompts still go to the peer.
 LOCAL_PREFILL_SHARED_CORES = 1000
+PREFILL_HINT_SLACK = 2  # a router's prefix pick of prefill peer may carry this many more handoffs than the least
 
 
 @dataclass
@@ -57,6 +58,7 @@ class PrefillPeer:
     refused: str | None = None  # why the last handshake was refused
     error: str | None = None
     connects: int = 0
+    kv_events: tuple[str | None, str | None] = (None, None)  # its KV events' endpoints (Welcome): for a router
     failures: Failures = field(init=False)  # what the operator reads of a peer that stays away
 
     def __post_init__(self):
@@ -129,7 +131,7 @@ class DecodeServer:
         self.aio: asyncio.AbstractEventLoop | None = None
         self.stats = {"handoffs": 0, "retried": 0, "failed": 0, "fenced": 0, "timed_out": 0,
                       "kv_pages_received": 0, "kv_bytes_received": 0, "local_prefills": 0, "digest_failures": 0,
-                      "local_for_link": 0}
+                      "local_for_link": 0, "prefill_by_prefix": 0}
         self.local_prefill_tokens = local_prefill_tokens(cfg)
         if self.local_prefill_tokens:
             log.info("prompts of at most %d uncached tokens are prefilled here, longer ones by a prefill peer "
@@ -194,6 +196,7 @@ class DecodeServer:
             raise Refusal(f"does not match this decode server: {why}")
         name = await self.loop.run_on_loop(lambda: self._handshaked(peer, reply.agent_meta))
         peer.chan, peer.agent_name, peer.manifest = chan, name, reply.manifest
+        peer.kv_events = (reply.kv_events, reply.kv_events_replay)
         peer.plan = make_plan(layout_from(reply.manifest), self.layout)
         peer.refused, peer.error = None, None
         peer.healthy, peer.last_seen = True, time.monotonic()
@@ -268,9 +271,19 @@ class DecodeServer:
 
     # -- engine thread: the scheduler's "KV from a peer" source --------------------------------------
 
-    def _pick(self) -> PrefillPeer | None:
+    def _pick(self, hint: str | None = None) -> PrefillPeer | None:
+        """The least-loaded healthy peer; or `hint`, the peer a router found holding the prompt's prefix (its
+        KV events: router/events.py), unless it carries PREFILL_HINT_SLACK more handoffs than the least."""
         live = [p for p in self.peers if p.healthy]
-        return min(live, key=lambda p: (self.awaited.outstanding(p.addr), p.load)) if live else None
+        if not live:
+            return None
+        least = min(live, key=lambda p: (self.awaited.outstanding(p.addr), p.load))
+        held = next((p for p in live if p.addr == hint), None) if hint else None
+        if held is not None and self.awaited.outstanding(held.addr) <= self.awaited.outstanding(least.addr) \
+                + PREFILL_HINT_SLACK:
+            self.stats["prefill_by_prefix"] += 1
+            return held
+        return least
 
     def _peer(self, addr: str) -> PrefillPeer | None:
         return next((p for p in self.peers if p.addr == addr), None)
@@ -285,7 +298,7 @@ class DecodeServer:
             trace.phase(req, f"prefilled here: {uncached} uncached tokens, local_prefill_tokens "
                              f"{self.local_prefill_tokens}")
             return None
-        peer = self._pick()
+        peer = self._pick(req.params.prefill_hint)
         slow = peer is not None and self.cfg.local_when_link_slower and peer.link.slower_than_recompute(
             uncached, self.engine.runner.page_bytes * self.engine.tp.size // self.point.page_size)
         if slow:
@@ -431,7 +444,8 @@ class DecodeServer:
                 quarantined_pages=self.awaited.quarantined_pages(), **self.stats),
             "peers": [S.Peer(addr=p.addr, kind="prefill", healthy=p.healthy, agent=p.agent_name,
                              outstanding=self.awaited.outstanding(p.addr), load=p.load, refused=p.refused,
-                             error=p.error, connects=p.connects,
+                             error=p.error, connects=p.connects, kv_events=p.kv_events[0],
+                             kv_events_replay=p.kv_events[1],
                              last_seen_s=round(now - p.last_seen, 2) if p.last_seen else None) for p in self.peers],
         }
 

@@ -37,10 +37,23 @@ from trnd.procs import EX_CONFIG, bind_port, die_with_parent, free_port
 log = logging.getLogger("trnd.local")
 
 
+def _toml(v) -> str:
+    """JSON's strings, numbers, booleans and arrays are valid TOML values; a table is written inline."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items() if x is not None) + "}"
+    return json.dumps(v)
+
+
 def _write(path: Path, data: dict) -> Path:
-    """Flat TOML: JSON's strings, numbers, booleans and arrays are valid TOML values."""
-    path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in data.items() if v is not None))
+    path.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in data.items() if v is not None))
     return path
+
+
+def _child_events(cfg: ServeConfig) -> dict | None:
+    """The children's KV events: each binds its own ephemeral ports (one fixed endpoint cannot serve them all)."""
+    if cfg.kv_events is None:
+        return None
+    return {**msgspec.structs.asdict(cfg.kv_events), "endpoint": None, "replay_endpoint": None}
 
 
 @dataclass
@@ -82,7 +95,9 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
             "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb,
             "store": list(cfg.store), "store_on_finish": cfg.store_on_finish, "store_deadline_s": cfg.store_deadline_s,
             "static": cfg.static, "compile_cache": cfg.compile_cache, "compile_decode": cfg.compile_decode,
-            "core_lock": cfg.core_lock or (str(workdir / "cores.lock") if cfg.share_cores else None)}
+            "core_lock": cfg.core_lock or (str(workdir / "cores.lock") if cfg.share_cores else None),
+            "kv_events": _child_events(cfg),
+            "remote": msgspec.structs.asdict(cfg.remote) if cfg.remote is not None else None}
     children, controls = [], []
     for i in range(cfg.num_prefill):
         control = cfg.prefill_control_port + i if cfg.prefill_control_port else free_port()
@@ -99,7 +114,8 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
               "chunk_size", "max_batch", "num_prefill", "num_decode", "router_policy", "secret", "decode_port",
               "share_cores"):
         dec.pop(k, None)  # the decode point fixes the shapes
-    dec.update(model=model, secret_file=str(secret), prefill=controls, core_lock=role["core_lock"])
+    dec.update(model=model, secret_file=str(secret), prefill=controls, core_lock=role["core_lock"],
+               kv_events=role["kv_events"], remote=role["remote"])
     if cfg.num_decode == 1:
         children.append(Child("decode", "decode", _write(workdir / "decode.toml", dec), {"port": cfg.port}))
         return children
@@ -111,7 +127,8 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
         targets.append(f"127.0.0.1:{port}")
     router = {"host": cfg.host, "port": cfg.port, "targets": targets, "model": model, "api_key": cfg.api_key,
               "api_key_file": cfg.api_key_file, "log_level": cfg.log_level, "drain_timeout_s": cfg.drain_timeout_s,
-              "max_body_bytes": cfg.max_body_bytes, "policy": cfg.router_policy}
+              "max_body_bytes": cfg.max_body_bytes, "policy": cfg.router_policy,
+              "kv_events": cfg.kv_events is not None and cfg.kv_events.on}
     children.append(Child("router", "router", _write(workdir / "router.toml", router), {"port": cfg.port}))
     return children
 

@@ -141,7 +141,9 @@ class PrefillServer:
         self.peers[peer.id] = peer
         self._names[peer.id] = agent_name
         try:
-            await chan.send(P.Welcome(self.manifest, self.agent.name, self.agent.metadata(), challenge))
+            ev = self.engine.kv_events.publisher if self.engine.kv_events is not None else None
+            await chan.send(P.Welcome(self.manifest, self.agent.name, self.agent.metadata(), challenge,
+                                      ev.endpoint if ev else None, ev.replay_endpoint if ev else None))
             failures = self._refusals.pop(str(addr[0]) if addr else "?", None)
             log.info("decode server %s connected (agent %s, tp=%d)%s", addr, agent_name, hello.manifest.tp,
                      (failures and failures.recovered()) or "")

@@ -54,7 +54,8 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
                                  node_host_memory_gb=cfg.node_host_memory_gb, store=list(cfg.store),
                                  store_secret=cfg.resolved_secret_optional(), store_on_finish=cfg.store_on_finish,
                                  store_deadline_s=cfg.store_deadline_s, static=cfg.static, core_lock=cfg.core_lock,
-                                 compile_decode=cfg.compile_decode, transfer_backend=cfg.transfer_backend))
+                                 compile_decode=cfg.compile_decode, transfer_backend=cfg.transfer_backend,
+                                 remote=cfg.remote))
         try:
             engine.publish_kv_events(cfg.kv_events, cfg.host)
             life.status("warming up")

@@ -44,6 +44,14 @@ class RouterMetrics:
         healthy = Gauge("trnd:router_target_healthy", "1 while the target answers /ready", ["target"], registry=r)
         in_flight = Gauge("trnd:router_target_in_flight", "Requests in flight per target", ["target"], registry=r)
         self._gauges = (healthy, in_flight)
+        self.kv_feed_ok = Gauge("trnd:router_kv_feed_ok", "1 while the target's KV-event feed is complete and "
+                                "current; 0: stale (down, joined mid-stream, batches lost): routed by load only",
+                                ["target"], registry=r)
+        self.kv_blocks = Gauge("trnd:router_kv_index_blocks", "Blocks the KV-event index holds for the target",
+                               ["target"], registry=r)
+        self.kv_routes = Gauge("trnd:router_kv_routes_total", "Requests routed on the KV-event index, by outcome: hit "
+                               "(a target held a prefix), miss (none did), unusable (no candidate's feed was ok: by "
+                               "load), empty (the index held nothing)", ["outcome"], registry=r)
         self.st = st
 
     def render(self) -> bytes:
@@ -51,6 +59,14 @@ class RouterMetrics:
         for t in self.st.targets.all:
             healthy.labels(t.addr).set(1 if t.healthy else 0)
             in_flight.labels(t.addr).set(t.in_flight)
+        ev = self.st.events
+        if ev is not None:
+            for addr, f in ev.stats().items():
+                self.kv_feed_ok.labels(addr).set(1 if f["state"] == "ok" else 0)
+                self.kv_blocks.labels(addr).set(f["blocks"])
+            for outcome, n in (("hit", ev.hits), ("miss", ev.misses), ("unusable", ev.unusable),
+                               ("empty", ev.empty_routes), ("prefill_hit", ev.prefill_hits)):
+                self.kv_routes.labels(outcome).set(n)
         return generate_latest(self.registry)
 
 
@@ -63,6 +79,7 @@ class RouterState(Readiness):
     targets: Targets
     index: PrefixIndex
     tokenizer: object | None = None  # trnd Tokenizer of the targets' model: exact prompt counts
+    events: object | None = None  # router/events.py EventRouting: the targets' real caches (kv_events = true)
     target_key: str | None = None  # read at start and on reload, never per request
     routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0, "random": 0})
     metrics: RouterMetrics | None = None
@@ -164,6 +181,27 @@ def needed_tokens(st: RouterState, path: str, data: dict, text: str) -> int:
     return n + mt
 
 
+def event_blocks(st: RouterState, path: str, data: dict, text: str, salt: str | None, auth: str | None) -> list:
+    """The prompt's blocks as its target will hash them (router/events.py): its token ids as the server makes
+    them, under the salt the server will key them by (the router's, salted again with the key the router
+    presents where the targets have keys: http/tenant.py)."""
+    try:
+        if path == "/v1/chat/completions":
+            msgs = [{"role": m.get("role"), "content": _text(m.get("content"))} for m in data.get("messages") or []
+                    if isinstance(m, dict)]
+            ids = st.tokenizer.encode(st.tokenizer.apply_chat_template(msgs, add_generation_prompt=True),
+                                      add_special_tokens=False)
+        else:
+            p = data.get("prompt")
+            ids = p if isinstance(p, list) and all(isinstance(t, int) for t in p) else (
+                st.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else [])
+    except Exception:  # a template this prompt cannot render here: no blocks (routed by load, counted a miss)
+        return []
+    keyed = any(t.keyed for t in st.targets.healthy())
+    key = auth[7:] if keyed and auth and auth[:7].lower() == "bearer " else None
+    return st.events.blocks_of(ids, tenant_salt(key, salt))
+
+
 def _route(path: str):
     async def handler(request: Request):
         st: RouterState = state_of(request)
@@ -200,8 +238,14 @@ def _route(path: str):
             headers["authorization"] = auth
         if session:
             headers["x-session-id"] = session
+        hashes = (event_blocks(st, path, data, text, salt, auth) if st.events is not None
+                  else prefix_hashes(text, st.cfg.prefix_block_chars, salt))
+        if st.events is not None:
+            peer, _ = st.events.prefill_for(hashes)
+            if peer is not None:
+                headers["x-trnd-prefill"] = peer
         return Proxied(st, path, body, bool(data.get("stream")), needed_tokens(st, path, data, text), session,
-                       prefix_hashes(text, st.cfg.prefix_block_chars, salt), headers)
+                       hashes, headers)
     return handler
 
 

@@ -43,9 +43,10 @@ class Proxied:
 
     async def _serve(self, send: Send, gone: asyncio.Future) -> None:
         st, tried = self.st, set()
+        index = st.events.view() if st.events is not None else st.index
         for attempt in range(st.cfg.retries + 1):
             try:
-                target, rule = choose(st.targets.healthy(), self.need, self.session, self.hashes, st.index,
+                target, rule = choose(st.targets.healthy(), self.need, self.session, self.hashes, index,
                                       st.cfg.prefix_load_slack, exclude=tried, spray=st.next_spray())
             except NoTarget as e:
                 status, code = (503, "unavailable") if e.fits else (400, "context_length_exceeded")
@@ -67,14 +68,14 @@ class Proxied:
                         return await self._relay_bytes(send, target, rule, 503, last, resp.headers)
                 else:
                     st.targets.take_out(target, why)
-                    st.index.forget(target.addr)
+                    index.forget(target.addr)
                 st.count_failover(target)
                 log.warning("request to %s failed before it started (%s): %s", target.addr, why,
                             "retrying" if attempt < st.cfg.retries else "giving up")
                 continue
             if self.session:
                 target.sessions.add(self.session)
-            st.index.record(self.hashes, target.addr)
+            index.record(self.hashes, target.addr)
             st.count(target, rule)
             return await self._relay(send, gone, target, rule, resp)
         await _error(send, APIError(503, "every decode server tried failed before answering", code="unavailable",

@@ -31,6 +31,7 @@ class Target:
     error: str | None = None
     last_ok: float = 0.0
     sessions: set[str] = field(default_factory=set)  # session ids routed here (for /admin/state, trnd top)
+    keyed: bool | None = None  # it asks for an API key (so it salts each tenant's pages by the key: http/tenant.py)
 
     @property
     def url(self) -> str:
@@ -44,6 +45,7 @@ class Targets:
         self.client = client
         self.probe_s, self.probe_timeout_s, self.fail_after = probe_s, probe_timeout_s, fail_after
         self.headers = headers  # Authorization for the targets' /v1/models and /admin/state
+        self.on_state = None  # called with (target, its /admin/state) when learned (router/events.py: its feed)
 
     def healthy(self) -> list[Target]:
         return [t for t in self.all if t.healthy and t.max_model_len]
@@ -57,6 +59,7 @@ class Targets:
         if t.healthy:
             log.warning("target %s taken out: %s", t.addr, why)
         t.healthy, t.error, t.failed_probes = False, why, max(t.failed_probes, self.fail_after)
+        t.max_model_len = None  # learned again when it answers: a restarted server may publish elsewhere
 
     async def run(self) -> None:
         """Probe every target every probe_s, all at once, forever (cancelled at shutdown)."""
@@ -92,6 +95,11 @@ class Targets:
         try:  # the point's name, for the operator (a target without admin access still routes by context)
             s = await self.client.get(f"{t.url}/admin/state", headers=self.headers, timeout=self.probe_timeout_s)
             if s.status_code == 200:
-                t.point = s.json().get("point")
+                state = s.json()
+                t.point = state.get("point")
+                if self.on_state is not None:
+                    self.on_state(t, state)
+            bare = await self.client.get(f"{t.url}/v1/models", timeout=self.probe_timeout_s)
+            t.keyed = bare.status_code == 401
         except (httpx.HTTPError, ValueError):
             pass

@@ -92,6 +92,9 @@ class Welcome(msgspec.Struct, tag=True):
     agent_name: str
     agent_meta: bytes
     nonce: bytes
+    # prefill's KV events (trnd/events), so a router reading decode's /admin/state can route the prefill leg
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
 
 class Refused(msgspec.Struct, tag=True):

@@ -1,0 +1,189 @@
+"""`trnd bench l3`: the L3 tier on `trnd store` vs on Mooncake Store, same pages, same machine, one run.
+
+1. Bytes: an in-process client of each backend writes N canonical pages of the model's geometry and reads
+   them back (batches of --batch pages): GB/s of the reads and the writes, every read checked (trnd store:
+   NIXL READ into the pool + blake2b; Mooncake: get_batch + blake2b).
+2. An L3 hit as a client sees it: an aggregated server on each backend answers a prompt (its pages go to
+   L3 when it finishes), drops its device cache (/admin/evict), and answers it again: TTFT of that second
+   answer (the history loaded from L3) beside TTFT of computing it cold.
+Mooncake runs as its master plus one store node (`mooncake_client`) lending the memory, as in
+tests/test_mooncake.py; the servers lend none.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import torch
+
+from trnd.bench import cpu_line
+from trnd.bench.disagg import _stop
+from trnd.procs import free_port, wait_ready
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="small", help="model dir or preset (default small)")
+    p.add_argument("--pages", type=int, default=256, help="pages written and read per backend (bytes test)")
+    p.add_argument("--batch", type=int, default=32, help="pages per read or write call")
+    p.add_argument("--prompt", type=int, default=2048, help="tokens of the L3-hit prompt")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backends", default="trnd,mooncake")
+
+
+def _mooncake(tmp: Path, gb: float) -> tuple[list, SimpleNamespace]:
+    exe = Path(sys.executable).with_name("mooncake_master")
+    exe = exe if exe.exists() else Path(shutil.which("mooncake_master") or "mooncake_master")
+    rpc, http = free_port(), free_port()
+    log = open(tmp / "mooncake.log", "w")
+    master = subprocess.Popen([str(exe), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+                               "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
+                               "--http_metadata_server_host=127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
+    time.sleep(1.5)
+    node = subprocess.Popen([str(exe.with_name("mooncake_client")), f"--global_segment_size={int(gb * 1024)}MB",
+                             "--local_buffer_size=64MB", f"--master_server_address=127.0.0.1:{rpc}",
+                             f"--metadata_server=http://127.0.0.1:{http}/metadata", "--host=127.0.0.1",
+                             f"--port={free_port()}", "--protocol=tcp"], stdout=log, stderr=subprocess.STDOUT)
+    time.sleep(2.0)
+    cfg = SimpleNamespace(backend="mooncake", master=f"127.0.0.1:{rpc}", metadata_server=f"http://127.0.0.1:{http}/metadata",
+                          protocol="tcp", device="", local_hostname="127.0.0.1", segment_gb=0.0, buffer_gb=0.25)
+    return [node, master], cfg
+
+
+def _trnd_store(tmp: Path, gb: float) -> tuple[list, str, Path]:
+    secret = tmp / "secret"
+    secret.write_text(secrets.token_hex(16))
+    cp, ap = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trnd", "store", "--secret-file", str(secret), "--control-port",
+                             str(cp), "--admin-port", str(ap), "--memory-gb", str(gb)],
+                            stdout=open(tmp / "store.log", "w"), stderr=subprocess.STDOUT)
+    wait_ready(ap, [proc], timeout=120)
+    return [proc], f"127.0.0.1:{cp}", secret
+
+
+def _bytes(kind: str, model: str, args, tmp: Path, svc) -> dict:
+    """GB/s of batched writes and reads of the model's canonical pages through one backend's client."""
+    from trnd.cache.hashing import page_hashes
+    from trnd.model.config import ModelConfig
+    from trnd.transfer.plan import Layout
+
+    mc = ModelConfig.from_dir(model)
+    dtype = torch.float32 if mc.dtype == torch.float32 else torch.bfloat16
+    n = args.pages
+    pool = torch.empty(2 * n, mc.num_layers, 2, mc.num_kv_heads, 16, mc.head_dim, dtype=dtype)
+    pool.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).random_()
+    lay = Layout(mc.num_layers, 16, mc.head_dim, pool.element_size(), ((0, mc.num_kv_heads),))
+    hashes = page_hashes(list(range(n * 16)), 16, f"bench-l3-{time.time_ns()}")
+    if kind == "mooncake":
+        from trnd.store.mooncake import MooncakeTier
+
+        client = MooncakeTier(svc, lay, [pool], "bench", dtype=str(dtype), deadline_s=60)
+    else:
+        from trnd.store.client import StoreClient
+        from trnd.transfer.nixl import KVAgent
+
+        addr, secret = svc
+        client = StoreClient([addr], secret.read_bytes().strip(), KVAgent(f"bench-{secrets.token_hex(4)}", [pool]),
+                             lay, [pool], "bench", dtype=str(dtype), deadline_s=60)
+        time.sleep(1.0)  # connected
+    try:
+        page_bytes = lay.page_bytes(0)
+        b = args.batch
+        t0 = time.perf_counter()
+        wrote = sum(client.write(hashes[i:i + b], list(range(i, min(i + b, n)))).result(120) for i in range(0, n, b))
+        tw = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        read = sum(client.read(hashes[i:i + b], list(range(n + i, n + min(i + b, n)))).result(120)
+                   for i in range(0, n, b))
+        tr = time.perf_counter() - t0
+        same = torch.equal(pool[:read], pool[n:n + read])
+    finally:
+        client.close()
+    return {"pages": n, "page_bytes": page_bytes, "written": wrote, "read": read, "identical": same,
+            "write_GBps": wrote * page_bytes / tw / 1e9, "read_GBps": read * page_bytes / tr / 1e9}
+
+
+def _ttft(port: int, prompt: list[int]) -> float:
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=600, json={
+            "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - t0
+    raise RuntimeError("no token")
+
+
+def _hit(kind: str, model: str, args, tmp: Path, svc) -> dict:
+    """TTFT of a prompt computed cold vs loaded back from L3 (device cache dropped in between)."""
+    port = free_port()
+    extra = (["--remote-config", json.dumps(vars(svc))] if kind == "mooncake"
+             else ["--config", str(_store_cfg(tmp, *svc))])
+    proc = subprocess.Popen([sys.executable, "-m", "trnd", "serve", "--aggregated", "--model", model, "--port",
+                             str(port), "--log-level", "warning", *extra], stdout=open(tmp / f"serve-{kind}.log", "w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_ready(port, [proc], timeout=600)
+        g = torch.Generator().manual_seed(7)
+        cold, hit = [], []
+        for _ in range(args.repeats):
+            prompt = torch.randint(10, 15000, (args.prompt,), generator=g).tolist()
+            cold.append(_ttft(port, prompt))
+            deadline = time.monotonic() + 60
+            want = (args.prompt + 1) // 16
+            while httpx.get(f"http://127.0.0.1:{port}/admin/state").json()["tiers"]["remote"]["writes_in_flight"] \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            httpx.post(f"http://127.0.0.1:{port}/admin/evict", timeout=60)
+            hit.append(_ttft(port, prompt))
+        remote = httpx.get(f"http://127.0.0.1:{port}/admin/state").json()["tiers"]["remote"]
+        loaded = sum(s.get("pages_loaded", 0) for s in remote["stores"])
+    finally:
+        _stop([proc])
+    return {"ttft_cold_p50": statistics.median(cold), "ttft_l3_hit_p50": statistics.median(hit),
+            "pages_loaded": loaded, "pages_expected": want * args.repeats}
+
+
+def _store_cfg(tmp: Path, addr: str, secret: Path) -> Path:
+    cfg = tmp / "serve-store.toml"
+    cfg.write_text(f'store = ["{addr}"]\nsecret_file = "{secret}"\n')
+    return cfg
+
+
+def main(args) -> int:
+    from trnd.model.maker import resolve_model
+
+    model = str(resolve_model(args.model))
+    print(f"trnd bench l3: model {model}, {args.pages} pages in batches of {args.batch}; L3-hit TTFT at "
+          f"{args.prompt} prompt tokens x {args.repeats}", flush=True)
+    print(cpu_line(), flush=True)
+    results = {}
+    for kind in args.backends.split(","):
+        with tempfile.TemporaryDirectory(prefix=f"trnd-bench-l3-{kind}-") as tmp:
+            tmp = Path(tmp)
+            if kind == "mooncake":
+                procs, svc = _mooncake(tmp, 2.0)
+            else:
+                procs, addr, secret = _trnd_store(tmp, 2.0)
+                svc = (addr, secret)
+            try:
+                res = _bytes(kind, model, args, tmp, svc)
+                res.update(_hit(kind, model, args, tmp, svc))
+            finally:
+                _stop(procs)
+        results[kind] = res
+        print(f"  {kind}: {res}", flush=True)
+    names = list(results)
+    print(f"\n{'metric':<30}" + "".join(f"{n:>14}" for n in names))
+    for key in ("write_GBps", "read_GBps", "ttft_cold_p50", "ttft_l3_hit_p50", "pages_loaded", "identical"):
+        print(f"{key:<30}" + "".join(f"{results[n][key]:>14.3f}" if isinstance(results[n][key], float)
+                                     else f"{str(results[n][key]):>14}" for n in names))
+    return 0
