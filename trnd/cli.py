@@ -38,6 +38,13 @@ def _graph_flags(p) -> None:
                         "cache built for another model, point, dtype or torch")
 
 
+def _spec_flag(p) -> None:
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, as vLLM\'s: \'{"method": "ngram" | "draft" | "mtp", '
+                        '"num_speculative_tokens": K, "model": DIR, "prompt_lookup_min": N, "prompt_lookup_max": N}\' '
+                        "(engine/spec/); prefill and decode must be given the same one")
+
+
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="run the OpenAI API: a local prefill + decode deployment (or --aggregated)",
                        description="Run trnd on this machine: a prefill and a decode process on loopback with the OpenAI API on --port (or everything in one process with --aggregated). Flags override "
@@ -55,6 +62,7 @@ def _serve_parser(sub) -> None:
                    help="one process (API + engine); default: a local prefill + decode deployment")
     p.add_argument("--point", help="decode point of the local deployment (configs/points.toml; default 8k)")
     _graph_flags(p)
+    _spec_flag(p)
     p.add_argument("--prefill", dest="num_prefill", type=int, metavar="N",
                    help="local deployment: N prefill servers (default 1); every decode server uses all of them")
     p.add_argument("--decode", dest="num_decode", type=int, metavar="M",
@@ -139,6 +147,7 @@ def _role_flags(p) -> None:
     p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
     p.add_argument("--store", action="append", metavar="HOST:PORT", help="L3: a remote KV store (repeatable)")
     _graph_flags(p)
+    _spec_flag(p)
     p.add_argument("--transfer-backend", choices=["ucx", "libfabric"],
                    help="NIXL backend for the KV handoff and L3 (default ucx; libfabric: the EFA path, its tcp "
                         "provider elsewhere; both roles must name the same)")
@@ -286,6 +295,11 @@ def _bench_parser(sub) -> None:
     from trnd.bench import l3
 
     l3.add_arguments(bsub.add_parser("l3", help="the L3 tier on trnd store vs Mooncake Store: GB/s and L3-hit TTFT"))
+    from trnd.bench import spec as bench_spec
+
+    sp = bsub.add_parser("spec", help="speculative decoding (draft = target, n-gram, an unrelated draft) vs none: "
+                                      "TPOT, tok/s, acceptance at c=1 and c=4")
+    bench_spec.add_arguments(sp)
     t = bsub.add_parser("tiers", help="multi-turn agentic replay: tiers off vs host L2 vs L2 + remote L3")
     t.add_argument("--model", default="small", help="model dir or preset (default small)")
     t.add_argument("--point", default="8k")

@@ -221,6 +221,21 @@ class Kernels(_S):
     slow_path: bool = False  # the CPU could run them and nobody turned them off: about half the speed
 
 
+class Spec(_S):
+    """Speculative decoding (engine/spec/): vLLM's spec_decode counters since start, and what they mean."""
+    method: str = ""  # ngram | draft | mtp
+    num_speculative_tokens: int = 0  # K
+    num_drafts: int = 0  # drafts verified
+    num_draft_tokens: int = 0  # tokens drafted
+    num_accepted_tokens: int = 0  # of those, kept
+    accepted_per_pos: list[int] = []  # kept, by position in the draft (0 .. K-1)
+    acceptance: float = 0.0  # num_accepted_tokens / num_draft_tokens
+    mean_accepted_length: float = 0.0  # tokens a verifying step emits per request: 1 + accepted per draft
+    backing_off: int = 0  # requests not drafting now: their last drafts kept nothing (it does not pay)
+    draft_pages: int | None = None  # the draft model's pool: pages held, of draft_pages_total
+    draft_pages_total: int | None = None
+
+
 # -- disaggregated roles --------------------------------------------------------------------------------
 
 class InFlight(_S):
@@ -345,6 +360,7 @@ class State(msgspec.Struct, kw_only=True, omit_defaults=True):
     integrity: Integrity | None = None
     kernels: Kernels | None = None  # the CPU backend only
     kv_events: KVEvents | None = None
+    spec: Spec | None = None  # speculative decoding, where it is on
     # disaggregated roles (and the router: its targets are its peers)
     transfers: Transfers | None = None
     peers: list[Peer] | None = None

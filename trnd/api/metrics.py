@@ -183,6 +183,20 @@ class _EngineCounters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([m], v)
             yield c
+        if st is not None and st.spec is not None:  # vLLM's spec_decode counters, under trnd:
+            sp = st.spec
+            for name, doc, v in (("drafts", "Drafts verified (a request's drafted tokens, one forward).",
+                                  sp.num_drafts),
+                                 ("draft_tokens", "Tokens drafted.", sp.num_draft_tokens),
+                                 ("accepted_tokens", "Drafted tokens the target kept.", sp.num_accepted_tokens)):
+                c = CounterMetricFamily(f"trnd:spec_decode_num_{name}", doc, labels=["model_name"])
+                c.add_metric([m], v)
+                yield c
+            c = CounterMetricFamily("trnd:spec_decode_num_accepted_tokens_per_pos",
+                                    "Drafted tokens kept, by position in the draft.", labels=["model_name", "position"])
+            for pos, v in enumerate(sp.accepted_per_pos):
+                c.add_metric([m, str(pos)], v)
+            yield c
         role = self.m.role_stats() if self.m.role_stats is not None else {}
         for key, v in role.items():
             c = CounterMetricFamily(f"trnd:{key}", f"{key.replace('_', ' ')} (the role's counter).",

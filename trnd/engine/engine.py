@@ -17,7 +17,7 @@ import torch
 
 from trnd_kernels import fp8
 from trnd.cache.budget import NodeBudget
-from trnd.config import StartupError, compile_decode_conflict
+from trnd.config import SpeculativeConfig, StartupError, compile_decode_conflict
 from trnd.cache.host import HostTier
 from trnd.cache.pages import PagePool
 from trnd.cache.radix import RadixCache
@@ -75,6 +75,7 @@ class EngineConfig:
     transfer_backend: str = "ucx"  # the NIXL backend of this process's agent (transfer/backends.py)
     remote: object = None  # config.RemoteConfig: the L3 backend (Mooncake: store/mooncake.py); None: `store`
     compile_decode: bool = False  # decode-only steps through one inductor graph (engine/compiled.py); CPU
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec/); None: one token per step
 
     def __post_init__(self):
         if why := compile_decode_conflict(self.compile_decode, self.backend, self.tp, self.static,
@@ -183,6 +184,11 @@ class Engine:
             self.workers.ready()
         self.sampler = Sampler(self.tokenizer.eos_token_ids, seed=cfg.seed, argmax=self.model.ops.argmax)
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size)
+        self.spec = None
+        if cfg.speculative is not None:
+            from trnd.engine.spec.build import speculator
+
+            self.spec = speculator(cfg.speculative, self, num_pages)
         self.streams: dict[str, OutputStream] = {}
         self.stats = EngineStats()
         self.idle_step = False  # the last step had nothing to compute (work parked on transfers)
@@ -314,6 +320,7 @@ class Engine:
         if req is None:
             return None
         self.scheduler.finish(req, "abort")  # a parked request keeps its pages until its source is done
+        self._ended(rid)
         self.stats.aborted += 1
         self.remember(trace.finished(req, "abort"))
         return self.streams.pop(rid).finish(req)
@@ -336,10 +343,13 @@ class Engine:
         arrived = [self._landed(req, got) for req, got in batch.arrived]
         for req, error in batch.failed:
             self.streams.pop(req.rid, None)
+            self._ended(req.rid)
             self.failures.append((req.rid, error))
             self.remember(trace.finished(req, "error", error))
         self.idle_step = batch.empty and not arrived and not batch.failed
         if batch.empty:
+            if arrived:
+                self._propose()
             return arrived
         inputs, sampled = prepare(batch, self.cfg.page_size)
         if self.workers:
@@ -349,10 +359,18 @@ class Engine:
         if self.on_forward:
             self.on_forward(batch)
         outs = self.postprocess(batch, logits, sampled)
+        self._propose()
         self.stats.steps += 1
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.last_step_tokens = batch.num_tokens
         return arrived + outs
+
+    def _propose(self) -> None:
+        """Drafts for the next step (engine/spec/): a draft model's forwards run here, under the core lock."""
+        if self.spec is None:
+            return
+        with self.core_lock.held() if self.core_lock is not None else contextlib.nullcontext():
+            self.spec.propose([r for r in self.scheduler.running if not r.is_prefilling], len(self.scheduler.running))
 
     def _landed(self, req: Req, got) -> StepOutput:
         """A peer wrote the prompt's KV and sampled its first token: stream it, decode the rest here."""
@@ -360,8 +378,6 @@ class Engine:
         return self.deliver(req, got.first)
 
     def postprocess(self, batch, logits: torch.Tensor, sampled: list[Req]) -> list[StepOutput]:
-        for req in batch.decode:
-            req.num_computed += 1
         for req, n in batch.prefill:
             if req.num_computed == req.num_cached and req.num_output == 0:
                 self.stats.cached_tokens += req.num_cached
@@ -370,31 +386,56 @@ class Engine:
                                  f"{req.num_cached} cached")
             req.num_computed += n
             self.stats.prefill_tokens += n
-        samples = self.sampler.sample(logits, sampled) if sampled else []
-        return [self.deliver(req, s) for req, s in zip(sampled, samples)]
+        if not any(r.draft_ids for r in batch.decode):
+            for req in batch.decode:
+                req.num_computed += 1
+            samples = self.sampler.sample(logits, sampled) if sampled else []
+            return [self.deliver(req, s) for req, s in zip(sampled, samples)]
+        # Speculative decoding: a request's drafted rows keep what the target accepts; their KV is valid up to
+        # the last kept token, the rest of the drafted slots are reclaimed (Scheduler.trim).
+        decoding = {id(r) for r in batch.decode}
+        outs = []
+        for req, samples in zip(sampled, self.sampler.verify(logits, sampled)):
+            if id(req) in decoding:
+                if req.draft_ids:
+                    self.spec.record(req, len(req.draft_ids), len(samples) - 1)
+                    req.draft_ids, req.draft_probs = [], None
+                req.num_computed += len(samples)
+            outs.append(self.deliver(req, *samples))
+            if not req.finished:
+                self.scheduler.trim(req)
+        return outs
 
-    def deliver(self, req: Req, s: SampleOut) -> StepOutput:
-        """Append one sampled token (here, or on a prefill server) and finish the request if it is done."""
+    def deliver(self, req: Req, *samples: SampleOut) -> StepOutput:
+        """Append sampled tokens (here, or on a prefill server; several where speculation kept drafts) and
+        finish the request once it is done (tokens after that are dropped)."""
         now = time.monotonic()
-        req.output_ids.append(s.token)
-        if req.grammar is not None:
-            req.grammar.advance(s.token)
-        if s.logprob is not None:
-            req.output_logprobs.append((s.logprob, s.top_logprobs or []))
-        if req.first_token_time is None:
-            req.first_token_time = now
-            trace.phase(req, "first token")
-        req.last_token_time = now
-        self.stats.generation_tokens += 1
         stream = self.streams[req.rid]
-        reason = self._finish_reason(req, stream.push(s))
-        if reason is None:
-            return stream.take(req)
-        self.scheduler.finish(req, reason)
-        self.stats.finished += 1
-        self.remember(trace.finished(req, reason))
-        self.streams.pop(req.rid)
-        return stream.finish(req)
+        for s in samples:
+            req.output_ids.append(s.token)
+            if req.grammar is not None:
+                req.grammar.advance(s.token)
+            if s.logprob is not None:
+                req.output_logprobs.append((s.logprob, s.top_logprobs or []))
+            if req.first_token_time is None:
+                req.first_token_time = now
+                trace.phase(req, "first token")
+            req.last_token_time = now
+            self.stats.generation_tokens += 1
+            reason = self._finish_reason(req, stream.push(s))
+            if reason is not None:
+                req.num_computed = min(req.num_computed, req.num_tokens)  # a kept draft past the finish
+                self.scheduler.finish(req, reason)
+                self.stats.finished += 1
+                self.remember(trace.finished(req, reason))
+                self.streams.pop(req.rid)
+                self._ended(req.rid)
+                return stream.finish(req)
+        return stream.take(req)
+
+    def _ended(self, rid: str) -> None:
+        if self.spec is not None:
+            self.spec.release(rid)
 
     def _finish_reason(self, req: Req, stopped_by_string: bool) -> str | None:
         p, tok = req.params, req.output_ids[-1]

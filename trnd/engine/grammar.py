@@ -75,11 +75,21 @@ class Grammars:
             raise ValueError(f"grammar: {matcher.get_error()}")
         return GrammarState(self, matcher, spec.after)
 
-    def mask(self, x: torch.Tensor, rows: list[int], states: list["GrammarState"]) -> torch.Tensor:
-        """x with every token the grammar forbids at -inf in `rows` (out of place, one batched fill)."""
-        from llguidance.torch import fill_next_token_bitmask_par
+    def mask(self, x: torch.Tensor, rows: list[int], states: list["GrammarState"],
+             drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """x with every token the grammar forbids at -inf in `rows` (out of place, one batched fill). drafts
+        (speculative decoding): state i's drafted tokens, whose rows follow rows[i]; row rows[i] + j + 1 is
+        masked as the grammar stands after the first j + 1 of them (llguidance walks them and rolls back).
+        Rows past a drafted token the grammar refuses stay unmasked: that token is rejected, they are unused."""
+        from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
         words = (self.vocab_size + 31) // 32
+        if drafts is not None and any(drafts):
+            bits = torch.full((x.shape[0], words), -1, dtype=torch.int32)
+            fill_next_token_bitmask_par_with_draft_tokens(
+                self.executor, [(s.matcher, i, list(d)) for s, i, d in zip(states, rows, drafts)], bits)
+            banned = ((bits.unsqueeze(-1) >> self._shifts) & 1).view(x.shape[0], -1)[:, :x.shape[1]] == 0
+            return x.masked_fill(banned.to(x.device), float("-inf"))
         bits = torch.empty((len(rows), words), dtype=torch.int32)
         fill_next_token_bitmask_par(self.executor, [(s.matcher, j) for j, s in enumerate(states)], bits)
         banned = ((bits.unsqueeze(-1) >> self._shifts) & 1).view(len(rows), -1)[:, :x.shape[1]] == 0

@@ -5,6 +5,8 @@ Token accounting (all counts are tokens, indices are into `all_ids`):
   [0, num_cached)     KV found in the prefix cache at admission (pages shared, locked)
   [0, num_computed)   KV present in this request's pages (cached + computed by us)
   pages[i] holds the KV of tokens [i * page_size, (i + 1) * page_size)
+  draft_ids: tokens proposed after all_ids (speculative decoding, engine/spec/): the next decode step
+  computes their KV too and keeps the accepted ones; num_computed never counts a drafted token
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class Req:
         self.output_ids: list[int] = []
         self.params = params
         self.grammar = None  # GrammarState (engine/grammar.py) when params.grammar is set
+        self.draft_ids: list[int] = []  # speculative decoding: verified by the next decode step (engine/spec/)
+        self.draft_probs = None  # [len(draft_ids), vocab] the draft model's distributions, when it sampled them
         self.status = Status.WAITING
         self.pages: list[int] = []
         self.num_cached = 0  # prefix-cache hit at the latest admission

@@ -22,8 +22,8 @@ class StepInputs(msgspec.Struct, array_like=True):
     positions: list[int]
     page_ids: list[int]  # per token: the page its KV goes to
     offsets: list[int]  # per token: the slot in that page
-    decode_pages: list[list[int]]  # per decode sequence: its page table, padded
-    decode_ctx: list[int]  # per decode sequence: context length including the new token
+    decode_pages: list[list[int]]  # per decode row: its sequence's page table, padded
+    decode_ctx: list[int]  # per decode row: context length including its token
     prefill: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, ctx_len, pages)
     sample_rows: list[int]  # rows of the batch whose logits are wanted
 
@@ -36,20 +36,26 @@ def kv_page_bytes(cfg: ModelConfig, num_kv_heads_local: int, page_size: int, kv_
 
 def prepare(batch: Batch, page_size: int) -> tuple[StepInputs, list[Req]]:
     """Flatten the batch: decode tokens first, then each prefill chunk. Also returns the requests
-    whose last row is sampled, in the order of the logits rows."""
+    whose last row is sampled, in the order of the logits rows (a decode request with drafted tokens has
+    1 + len(draft_ids) rows: engine/sampler.py verify)."""
     p = page_size
     ids, pos, page_ids, offsets, rows, sampled = [], [], [], [], [], []
+    decode_ctx, tables = [], []
     for req in batch.decode:
+        # The last token, then each drafted token (speculative decoding): one decode row each, row j attending
+        # the context up to its own position, so K drafts are verified in this one forward.
         t = req.num_computed
-        ids += req.ids(t, t + 1)
-        pos.append(t)
-        page_ids.append(req.pages[t // p])
-        offsets.append(t % p)
-        rows.append(len(ids) - 1)
+        for j, token in enumerate((*req.ids(t, t + 1), *req.draft_ids)):
+            ids.append(token)
+            pos.append(t + j)
+            page_ids.append(req.pages[(t + j) // p])
+            offsets.append((t + j) % p)
+            rows.append(len(ids) - 1)
+            decode_ctx.append(t + j + 1)
+            tables.append(req.pages)
         sampled.append(req)
-    width = max((len(r.pages) for r in batch.decode), default=0)
-    decode_pages = [r.pages + [r.pages[0]] * (width - len(r.pages)) for r in batch.decode]
-    decode_ctx = [r.num_computed + 1 for r in batch.decode]
+    width = max((len(pages) for pages in tables), default=0)
+    decode_pages = [pages + [pages[0]] * (width - len(pages)) for pages in tables]
     prefill = []
     for req, n in batch.prefill:
         start, end = req.num_computed, req.num_computed + n

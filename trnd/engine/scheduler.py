@@ -133,6 +133,8 @@ class Scheduler:
             n = self._chunk(req, budget)
             if n == 0:
                 continue
+            if req.draft_ids and not req.is_prefilling:
+                n += self._fit_drafts(req, budget)
             if not self._make_room(req, n, batch):
                 continue
             budget -= n
@@ -208,6 +210,26 @@ class Scheduler:
 
     def _chunk(self, req: Req, budget: int) -> int:
         return min(req.num_uncomputed, budget, self.cfg.chunk_size)
+
+    def _fit_drafts(self, req: Req, budget: int) -> int:
+        """Speculative decoding: as many of the request's drafted tokens as the token budget and the free pages
+        take (never an eviction or a preemption for a guess); the rest are dropped. Returns how many stay."""
+        k = min(len(req.draft_ids), budget - 1)
+        base = self._pages_needed(req, 1)
+        while k and self._pages_needed(req, 1 + k) - base > self.pool.num_free:
+            k -= 1
+        if k < len(req.draft_ids):
+            req.draft_ids = req.draft_ids[:k]
+            req.draft_probs = req.draft_probs[:k] if req.draft_probs is not None and k else None
+        return k
+
+    def trim(self, req: Req) -> None:
+        """After a verification: pages past the ones the next step writes into held only rejected drafts' KV;
+        they go back to the pool (never to the prefix cache: num_computed never counted a rejected token)."""
+        keep = -(-req.num_tokens // self.cfg.page_size)
+        if len(req.pages) > keep:
+            extra, req.pages = req.pages[keep:], req.pages[:keep]
+            self.pool.unref(extra)
 
     def _pages_needed(self, req: Req, n: int) -> int:
         total = -(-(req.num_computed + n) // self.cfg.page_size)
@@ -320,6 +342,7 @@ class Scheduler:
         """Release the KV to the cache (the device radix, L2 once evicted: found there at re-admission,
         not recomputed) and requeue first."""
         self.running.remove(req)
+        req.draft_ids, req.draft_probs = [], None
         trace.phase(req, f"preempted (KV of {req.num_computed} tokens to the prefix cache)")
         self._release(req)
         req.status = Status.WAITING

@@ -31,6 +31,8 @@ def owner_lists(engine) -> list[list[int]]:
 def check_integrity(engine) -> dict:
     """Tree invariants, then exact refcounts: free + cached-only + in-use == total. Raises AssertionError."""
     engine.radix.check_integrity(strict=False)
+    if engine.spec is not None:
+        engine.spec.check_integrity(set(engine.streams))
     return check_pool_integrity(engine.pool, engine.radix, owner_lists(engine))
 
 
@@ -93,6 +95,7 @@ def engine_state(engine) -> S.State:
         integrity=engine.integrity,
         kernels=kernels_state(engine.kernels),
         kv_events=kv_events_state(engine.kv_events),
+        spec=engine.spec.state() if engine.spec is not None else None,
     )
 
 

@@ -68,7 +68,9 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
                                  store_deadline_s=cfg.store_deadline_s, role=role, static=static,
                                  point=point.name if static else None, compiler=compiler,
                                  core_lock=cfg.core_lock, compile_decode=cfg.compile_decode,
-                                 transfer_backend=cfg.transfer_backend, remote=cfg.remote))
+                                 transfer_backend=cfg.transfer_backend, remote=cfg.remote,
+                                 # prefill samples no decode step: no drafts, no draft model (only the contract)
+                                 speculative=cfg.speculative_config if role == "decode" else None))
     log.info(point_capacity(engine, point).line())
     if static and cache is None:
         log.info("static path without a compile cache: each bucket is compiled on its first use (`trnd compile` "
@@ -99,14 +101,16 @@ def rank_heads(engine: Engine) -> list[tuple[int, int]]:
     return [TPGroup(r, engine.tp.size).kv_heads(n) for r in range(engine.tp.size)]
 
 
-def manifest(engine: Engine, point: DecodePoint, role: str, model_name: str) -> Manifest:
+def manifest(engine: Engine, point: DecodePoint, role: str, model_name: str, speculative=None) -> Manifest:
+    """speculative: the role's SpeculativeConfig (None: off), part of the contract on both sides."""
     mc = engine.model_config
     return Manifest(role=role, model_name=model_name, model_fingerprint=fingerprint(Path(engine.cfg.model)),
                     dtype=str(mc.dtype).removeprefix("torch."), num_layers=mc.num_layers,
                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=point.page_size,
                     point=point.name, max_context=point.max_context, max_batch=point.max_batch, tp=engine.tp.size,
                     rank_heads=rank_heads(engine), page_bytes=engine.runner.page_bytes,
-                    kv_cache_dtype=engine.cfg.kv_cache_dtype, transfer_backend=engine.cfg.transfer_backend)
+                    kv_cache_dtype=engine.cfg.kv_cache_dtype, transfer_backend=engine.cfg.transfer_backend,
+                    speculative_config={} if speculative is None else speculative.contract())
 
 
 def layout_from(m: Manifest) -> Layout:

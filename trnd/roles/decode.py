@@ -118,7 +118,7 @@ class DecodeServer:
                                                max_model_len=cfg.max_model_len)
         self.engine.publish_kv_events(cfg.kv_events, cfg.host)
         self.model_name = model_name
-        self.manifest = manifest(self.engine, self.point, "decode", model_name)
+        self.manifest = manifest(self.engine, self.point, "decode", model_name, cfg.speculative_config)
         self.capacity = point_capacity(self.engine, self.point)
         self.agent = self.engine.kv_agent()
         self.layout = layout_of(self.engine)

@@ -97,7 +97,10 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
             "static": cfg.static, "compile_cache": cfg.compile_cache, "compile_decode": cfg.compile_decode,
             "core_lock": cfg.core_lock or (str(workdir / "cores.lock") if cfg.share_cores else None),
             "kv_events": _child_events(cfg),
-            "remote": msgspec.structs.asdict(cfg.remote) if cfg.remote is not None else None}
+            "remote": msgspec.structs.asdict(cfg.remote) if cfg.remote is not None else None,
+            # vLLM's JSON text (flat TOML has no nested tables here); both roles get it: the contract's
+            "speculative_config": None if cfg.speculative_config is None else
+            msgspec.json.encode(cfg.speculative_config).decode()}
     children, controls = [], []
     for i in range(cfg.num_prefill):
         control = cfg.prefill_control_port + i if cfg.prefill_control_port else free_port()
@@ -115,7 +118,8 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
               "share_cores"):
         dec.pop(k, None)  # the decode point fixes the shapes
     dec.update(model=model, secret_file=str(secret), prefill=controls, core_lock=role["core_lock"],
-               kv_events=role["kv_events"], remote=role["remote"])
+               kv_events=role["kv_events"], remote=role["remote"],
+               speculative_config=role["speculative_config"])
     if cfg.num_decode == 1:
         children.append(Child("decode", "decode", _write(workdir / "decode.toml", dec), {"port": cfg.port}))
         return children

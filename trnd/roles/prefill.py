@@ -57,7 +57,7 @@ class PrefillServer:
         self.engine, self.point = build_engine(model_dir, cfg, role="prefill", secret=self.secret)
         self.engine.publish_kv_events(cfg.kv_events, cfg.host)
         self.model_name = model_name
-        self.manifest = manifest(self.engine, self.point, "prefill", model_name)
+        self.manifest = manifest(self.engine, self.point, "prefill", model_name, cfg.speculative_config)
         self.capacity = point_capacity(self.engine, self.point)
         self.layout = layout_of(self.engine)
         self.agent = self.engine.kv_agent()

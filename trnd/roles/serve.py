@@ -55,7 +55,8 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
                                  store_secret=cfg.resolved_secret_optional(), store_on_finish=cfg.store_on_finish,
                                  store_deadline_s=cfg.store_deadline_s, static=cfg.static, core_lock=cfg.core_lock,
                                  compile_decode=cfg.compile_decode, transfer_backend=cfg.transfer_backend,
-                                 remote=cfg.remote))
+                                 remote=cfg.remote,
+                                 speculative=cfg.speculative_config))
         try:
             engine.publish_kv_events(cfg.kv_events, cfg.host)
             life.status("warming up")

@@ -52,15 +52,23 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     page_bytes: int  # one page on one rank
     kv_cache_dtype: str = "auto"  # KV page format (auto: the model dtype; fp8_*: fp8 values + scales)
     transfer_backend: str = "ucx"  # the NIXL backend that moves the pages (transfer/nixl.py): both ends load the same
+    # SpeculativeConfig.contract() ({}: off): a decode server drafting with a config its prefill peer was not
+    # started with is refused, naming the field (the pair's acceptance must be the aggregated one's)
+    speculative_config: dict[str, str | int | None] = msgspec.field(default_factory=dict)
 
 
 # Fields that must be equal on both sides, in the order they are reported.
 MUST_MATCH = ("protocol_version", "model_fingerprint", "point", "dtype", "kv_cache_dtype", "transfer_backend",
-              "num_layers", "num_kv_heads", "head_dim", "page_size", "max_context", "max_batch")
+              "num_layers", "num_kv_heads", "head_dim", "page_size", "max_context", "max_batch", "speculative_config")
 
 
 def mismatch(a: Manifest, b: Manifest) -> str | None:
     for f in MUST_MATCH:
+        if f == "speculative_config" and a.speculative_config and b.speculative_config:
+            for key in sorted(set(a.speculative_config) | set(b.speculative_config)):
+                x, y = a.speculative_config.get(key), b.speculative_config.get(key)
+                if x != y:
+                    return f"speculative_config.{key}: {a.role} has {x!r}, {b.role} has {y!r}"
         if getattr(a, f) != getattr(b, f):
             hint = (" (dtype = auto computes float32 on CPUs without native bf16: set the same dtype on both roles)"
                     if f == "dtype" else "")

@@ -1,0 +1,173 @@
+"""`trnd bench spec`: speculative decoding against the same engine without it, side by side in one run.
+
+Each setting runs in its own child process, first without speculation then with it, on the same prompts:
+c requests at once (c = each of --concurrency), --new-tokens greedy tokens each with eos ignored, a few
+rounds. TPOT is per request (first token to last over the tokens between), output tok/s over the wall
+time of a round; the figure of each side is its median over the rounds. Random-weight checkpoints
+accept little, so the settings say where drafts can be right:
+
+  draft-target  the draft model is the target itself (a second copy, its own pages): every drafted token is
+                kept, so it shows what the machinery gains and costs when drafts are right; each draft token
+                costs a forward of the target, so it cannot be faster than the target's own steps.
+  ngram-loop    n-gram lookup on prompts whose answer repeats the context: each prompt is a random prompt
+                followed by the target's own greedy continuation of it, long enough to have entered the cycle
+                a random-weight model settles in, so the answer repeats what the prompt already holds (an
+                edited file's unchanged lines are this case with a trained model). The acceptance printed is
+                what it measured.
+  ngram-random  n-gram lookup on random prompts: little repeats, acceptance near 0 (what it costs to look).
+  draft-mini    a draft 1/10 of the target's width with unrelated random weights: acceptance 0, the
+                speculator backs off (engine/spec/speculator.py); what drafting costs when it never pays.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+from trnd.bench import cpu_line
+
+SETTINGS = ("draft-target", "ngram-loop", "ngram-random", "draft-mini")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="small", help="target: model dir or preset (default small)")
+    p.add_argument("--dtype", default="float32", help="compute dtype (default float32: the fast one on AVX2 hosts)")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    p.add_argument("--concurrency", default="1,4", help="requests at once (default 1,4)")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+
+
+def _mini_draft(target: str) -> str:
+    """A random checkpoint with the target's tokenizer and a tenth of its width: an unrelated draft."""
+    from pathlib import Path
+
+    from trnd.model.config import ModelConfig
+    from trnd.model.maker import make_model
+
+    mc = ModelConfig.from_dir(target)
+    out = Path(target).parent / f"{Path(target).name}-mini-draft"
+    if not (out / "config.json").exists():
+        preset = "small" if mc.hidden_size >= 256 else "tiny"
+        make_model(out, preset=preset, seed=99, dtype="float32",
+                   overrides={"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
+    return str(out)
+
+
+def _prompts(llm, setting: str, n: int, length: int, new: int) -> list[list[int]]:
+    import torch
+
+    from trnd.sampling_params import SamplingParams
+
+    vocab = llm.engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    rand = [torch.randint(10, vocab - 1, (length,), generator=g).tolist() for _ in range(n)]
+    if setting != "ngram-loop":
+        return rand
+    cont = llm.generate(rand, SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True))
+    return [p + c.token_ids for p, c in zip(rand, cont)]
+
+
+def _side(model: str, dtype: str, setting: str, spec: dict | None, concurrency: list[int], new: int,
+          prompt_len: int, rounds: int) -> dict:
+    from trnd.config import SpeculativeConfig
+    from trnd.llm import LLM
+    from trnd.sampling_params import SamplingParams
+
+    cmax = max(concurrency)
+    llm = LLM(model, dtype=dtype, page_size=16, num_pages=cmax * (3 * prompt_len + new + 64) // 16 + 64,
+              max_batch=cmax, chunk_size=1024, token_budget=2048, prefix_cache=False,
+              speculative=SpeculativeConfig(**spec) if spec else None)
+    prompts = _prompts(llm, setting, cmax * rounds, prompt_len, new)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    out = {}
+    for c in concurrency:
+        tpots, rates = [], []
+        before = _counts(llm)
+        for r in range(rounds):
+            ps = prompts[r * cmax: r * cmax + c]
+            t_first, t_last, n_out = {}, {}, {}
+            for p in ps:
+                llm.engine.add(p, params)
+            t0 = time.perf_counter()
+            while llm.engine.has_work:
+                for o in llm.engine.step():
+                    now = time.perf_counter()
+                    if o.token_ids:
+                        t_first.setdefault(o.rid, now)
+                        t_last[o.rid] = now
+                        n_out[o.rid] = n_out.get(o.rid, 0) + len(o.token_ids)
+            wall = time.perf_counter() - t0
+            tpots += [(t_last[r_] - t_first[r_]) / (n_out[r_] - 1) for r_ in n_out]
+            rates.append(sum(n_out.values()) / wall)
+        after = _counts(llm)
+        drafted, accepted = after[0] - before[0], after[1] - before[1]
+        out[f"c{c}"] = {"tpot_ms": statistics.median(tpots) * 1e3, "tok_s": statistics.median(rates),
+                        "acceptance": accepted / drafted if drafted else None, "drafted": drafted}
+    llm.engine.close()
+    return out
+
+
+def _counts(llm) -> tuple[int, int]:
+    s = llm.engine.spec
+    return (s.stats.num_draft_tokens, s.stats.num_accepted_tokens) if s is not None else (0, 0)
+
+
+def _child(args: tuple, conn) -> None:
+    try:
+        conn.send(json.dumps(_side(*args)))
+    except BaseException as e:  # reported by the parent
+        conn.send(json.dumps({"error": repr(e)}))
+
+
+def run_side(args: tuple) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(args, child))
+    p.start()
+    res = json.loads(parent.recv())
+    p.join()
+    if "error" in res:
+        raise RuntimeError(res["error"])
+    return res
+
+
+def spec_config(setting: str, model: str, k: int) -> dict:
+    if setting.startswith("ngram"):
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    return {"method": "draft", "num_speculative_tokens": k,
+            "model": model if setting == "draft-target" else _mini_draft(model)}
+
+
+def main(args) -> int:
+    from trnd.model.maker import resolve_model
+
+    model = str(resolve_model(args.model))
+    settings = [s for s in args.settings.split(",") if s]
+    bad = [s for s in settings if s not in SETTINGS]
+    if bad:
+        print(f"trnd bench spec: --settings: {', '.join(bad)} not one of {', '.join(SETTINGS)}")
+        return 2
+    conc = [int(c) for c in args.concurrency.split(",")]
+    print(f"trnd bench spec: target {model}, dtype {args.dtype}, K={args.k}, {args.new_tokens} greedy tokens after "
+          f"{args.prompt_len}-token prompts, concurrency {conc}, median of {args.rounds} rounds", flush=True)
+    print(cpu_line(), flush=True)
+    print(f"{'setting':<14}{'c':>3}{'TPOT ms off':>13}{'on':>8}{'ratio':>8}{'tok/s off':>11}{'on':>8}{'ratio':>8}"
+          f"{'accept':>8}")
+    for setting in settings:
+        spec = spec_config(setting, model, args.k)
+        a = (model, args.dtype, setting)
+        rest = (conc, args.new_tokens, args.prompt_len, args.rounds)
+        off, on = run_side((*a, None, *rest)), run_side((*a, spec, *rest))
+        for c in conc:
+            x, y = off[f"c{c}"], on[f"c{c}"]
+            acc = "-" if y["acceptance"] is None else f"{y['acceptance']:.0%}"
+            print(f"{setting:<14}{c:>3}{x['tpot_ms']:>13.2f}{y['tpot_ms']:>8.2f}{y['tpot_ms'] / x['tpot_ms']:>7.2f}x"
+                  f"{x['tok_s']:>11.1f}{y['tok_s']:>8.1f}{y['tok_s'] / x['tok_s']:>7.2f}x{acc:>8}", flush=True)
+    return 0
