@@ -303,3 +303,23 @@ def test_seeded_sampling_with_a_draft_model_keeps_the_target_distribution(tiny_q
     # and seeded draws are reproducible with speculation on
     again, _ = draws(spec("draft", 2, model=str(draft_other)))
     assert again == got
+
+
+def test_acceptance_in_admin_state_and_trnd_top(tiny_qwen3):
+    import msgspec
+
+    from trnd import snapshot as S
+    from trnd.top.panels import spec_text
+
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    _, engine = generate(tiny_qwen3, prompts(), params, spec("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3))
+    st = msgspec.json.decode(msgspec.json.encode(engine.state()), type=S.State).spec  # what /admin/state serves
+    s = engine.spec.stats
+    assert (st.method, st.num_speculative_tokens) == ("ngram", 3)
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == \
+        (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) and st.num_accepted_tokens > 0
+    assert st.accepted_per_pos == s.accepted_per_pos and len(st.accepted_per_pos) == 3
+    assert st.acceptance == round(s.num_accepted_tokens / s.num_draft_tokens, 4)
+    assert st.draft_pages is None  # n-gram: no draft pool
+    line = spec_text(st)
+    assert line.startswith("spec ngram k=3 · accepted") and f"({s.num_accepted_tokens}/{s.num_draft_tokens})" in line

@@ -110,8 +110,30 @@ def _side(model: str, dtype: str, setting: str, spec: dict | None, concurrency: 
         drafted, accepted = after[0] - before[0], after[1] - before[1]
         out[f"c{c}"] = {"tpot_ms": statistics.median(tpots) * 1e3, "tok_s": statistics.median(rates),
                         "acceptance": accepted / drafted if drafted else None, "drafted": drafted}
+    if llm.engine.spec is not None and llm.engine.spec.draft is not None:
+        out["prefill"] = _prefill_costs(llm, prompts[0][:prompt_len])
     llm.engine.close()
     return out
+
+
+def _prefill_costs(llm, prompt: list[int]) -> dict:
+    """What the draft's prompt KV costs where it is prefilled on the decode server (a PD handoff brings the
+    target's pages only): the draft's forward over the prompt, against the target's prefill of it. Best of 3."""
+    from trnd.engine.request import Req
+    from trnd.sampling_params import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    draft, target = [], []
+    for i in range(3):
+        req = Req(prompt, one, rid=f"draft-prefill-{i}")
+        t = time.perf_counter()
+        llm.engine.spec.draft.propose([(req, 0)])  # k = 0: the catch-up forward only
+        draft.append(time.perf_counter() - t)
+        llm.engine.spec.release(req.rid)
+        t = time.perf_counter()
+        llm.generate([prompt], one)
+        target.append(time.perf_counter() - t)
+    return {"tokens": len(prompt), "draft_ms": min(draft) * 1e3, "target_ms": min(target) * 1e3}
 
 
 def _counts(llm) -> tuple[int, int]:
@@ -170,4 +192,8 @@ def main(args) -> int:
             acc = "-" if y["acceptance"] is None else f"{y['acceptance']:.0%}"
             print(f"{setting:<14}{c:>3}{x['tpot_ms']:>13.2f}{y['tpot_ms']:>8.2f}{y['tpot_ms'] / x['tpot_ms']:>7.2f}x"
                   f"{x['tok_s']:>11.1f}{y['tok_s']:>8.1f}{y['tok_s'] / x['tok_s']:>7.2f}x{acc:>8}", flush=True)
+        if "prefill" in on:
+            pf = on["prefill"]
+            print(f"{'':<14}the draft's KV for a {pf['tokens']}-token prompt, prefilled on decode: {pf['draft_ms']:.1f} ms "
+                  f"(the target's prefill of it: {pf['target_ms']:.1f} ms)", flush=True)
     return 0

@@ -53,7 +53,7 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
+        return sum(1 + len(r.draft_ids) for r in self.decode) + sum(n for _, n in self.prefill)
 
 
 class Scheduler:

@@ -58,7 +58,7 @@ class DraftProposer:
         feeds = []
         for req, k in want:
             seq = self.seqs.setdefault(req.rid, DraftSeq())
-            feed = self._sync(seq, req.all_ids)
+            feed = self._sync(seq, req)
             if len(feed) > self.chunk:  # a long catch-up (a prompt) takes several steps; no draft until done
                 feed, k = feed[: self.chunk], 0
             if self._grow(seq, len(seq.fed) + len(feed) + max(k - 1, 0)):
@@ -86,15 +86,17 @@ class DraftProposer:
                 req.draft_ids = ids
                 req.draft_probs = None if req.params.greedy else torch.stack(probs)
 
-    def _sync(self, seq: DraftSeq, ids: list[int]) -> list[int]:
+    def _sync(self, seq: DraftSeq, req: Req) -> list[int]:
         """Drop what the draft fed past the request's own tokens (rejected drafts); the tokens to feed now."""
-        valid = seq.confirmed
-        n = min(len(seq.fed), len(ids) - 1)  # the request's last token is always fed (its row drafts)
-        while valid < n and seq.fed[valid] == ids[valid]:
+        valid, total = seq.confirmed, req.num_tokens
+        n = min(len(seq.fed), total - 1)  # the request's last token is always fed (its row drafts)
+        for fed, own in zip(seq.fed[valid:n], req.ids(valid, n)):
+            if fed != own:
+                break
             valid += 1
         del seq.fed[valid:]
         seq.confirmed = valid
-        return ids[valid:]
+        return req.ids(valid, total)
 
     def _grow(self, seq: DraftSeq, tokens: int) -> bool:
         need = -(-tokens // self.page_size) - len(seq.pages)

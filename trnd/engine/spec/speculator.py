@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from trnd import snapshot as S
 from trnd.config import SpeculativeConfig
 from trnd.engine.request import Req
@@ -47,6 +49,7 @@ class Speculator:
         self.cfg, self.k, self.max_model_len, self.draft = cfg, cfg.num_speculative_tokens, max_model_len, draft
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
         self._backoff: dict[str, _Backoff] = {}
+        self._ids: dict[str, tuple[np.ndarray, int]] = {}  # n-gram: each request's tokens (a buffer, its length)
 
     @property
     def method(self) -> str:
@@ -64,7 +67,20 @@ class Speculator:
             return
         lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
         for r, k in want:
-            r.draft_ids = ngram.propose(r.all_ids, k, lo, hi)
+            r.draft_ids = ngram.propose(self._tokens(r), k, lo, hi)
+
+    def _tokens(self, r: Req) -> np.ndarray:
+        """The request's tokens as an array kept across steps (only new tokens copied: a prompt may be 1M)."""
+        buf, used = self._ids.get(r.rid, (None, 0))
+        n = r.num_tokens
+        if buf is None or n > buf.shape[0]:
+            grown = np.empty(max(2 * n, 256), dtype=np.int64)
+            if buf is not None:
+                grown[:used] = buf[:used]
+            buf = grown
+        buf[used:n] = r.ids(used, n)
+        self._ids[r.rid] = (buf, n)
+        return buf[:n]
 
     def _room(self, r: Req) -> int:
         """How many tokens this request may draft now: K, fewer near max_tokens or the context's end (every
@@ -105,7 +121,7 @@ class Speculator:
 
     def check_integrity(self, live: set[str]) -> None:
         """No state (no draft pages) for a request the engine no longer has. Raises AssertionError."""
-        gone = [rid for rid in (*self._backoff, *(self.draft.seqs if self.draft else ())) if rid not in live]
+        gone = [rid for rid in (*self._backoff, *self._ids, *(self.draft.seqs if self.draft else ())) if rid not in live]
         assert not gone, f"speculative state kept for ended requests: {gone[:8]}"
         if self.draft is not None:
             self.draft.check_integrity()
@@ -113,5 +129,6 @@ class Speculator:
     def release(self, rid: str) -> None:
         """The request ended: its draft state (and its draft pages) go."""
         self._backoff.pop(rid, None)
+        self._ids.pop(rid, None)
         if self.draft is not None:
             self.draft.release(rid)
