@@ -98,9 +98,9 @@ def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
             "core_lock": cfg.core_lock or (str(workdir / "cores.lock") if cfg.share_cores else None),
             "kv_events": _child_events(cfg),
             "remote": msgspec.structs.asdict(cfg.remote) if cfg.remote is not None else None,
-            # vLLM's JSON text (flat TOML has no nested tables here); both roles get it: the contract's
+            # both roles get it: it is part of the decode-point contract
             "speculative_config": None if cfg.speculative_config is None else
-            msgspec.json.encode(cfg.speculative_config).decode()}
+            msgspec.structs.asdict(cfg.speculative_config)}
     children, controls = [], []
     for i in range(cfg.num_prefill):
         control = cfg.prefill_control_port + i if cfg.prefill_control_port else free_port()
