@@ -155,3 +155,20 @@ def test_the_decode_role_prefills_short_prompts_itself_only_on_shared_cores(tmp_
     assert tomllib.loads(open(tmp_path / "prefill0.toml").read()).get("local_prefill_tokens") is None
     with pytest.raises(ConfigError, match="local_prefill_tokens"):
         load_config(DecodeConfig, None, {"local_prefill_tokens": -1})
+
+
+def test_a_reloads_ready_keeps_the_ports_the_child_listens_on(tmp_path):
+    """A child's READY=1 after RELOADING=1 names no ports (only its first does): the supervisor keeps the ports it
+    heard, so a SIGHUP during or after start does not take the deployment down as 'not listening'."""
+    from trnd.daemon import notify
+    from trnd.roles.local import Child, heard
+
+    c = Child("decode", "decode", tmp_path / "decode.toml", {"port": 8000})
+    heard(c, {"READY": "1", notify.LISTEN: "127.0.0.1:8000"}, 1.0)
+    assert c.ready and c.listening == ["127.0.0.1:8000"]
+    heard(c, {"RELOADING": "1"}, 2.0)
+    heard(c, {"READY": "1", "STATUS": "running"}, 3.0)
+    assert c.ready and c.readies == 2
+    fresh = Child("prefill0", "prefill", tmp_path / "prefill.toml", {"prefill_admin_port": 9000})
+    heard(fresh, {"READY": "1"}, 1.0)  # a first READY=1 without its ports is still refused
+    assert not fresh.ready

@@ -218,7 +218,7 @@ def test_a_build_older_than_the_fp32_kernel_is_skipped_not_loaded_half(monkeypat
         pytest.skip(f"no build runs here ({HOST.summary()})")
     monkeypatch.delenv(kcpu.ENV, raising=False)
     old = types.SimpleNamespace(__name__=f"torch.ops.{kcpu.variant_for(HOST)}")  # a library with no linear_f32
-    monkeypatch.setattr(kcpu, "load_library", lambda name: (old, ""))
+    monkeypatch.setattr(kcpu, "_load", lambda name: (old, "", "loaded"))
     _clear()
     try:
         assert kcpu.linear_f32_lib() is None

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from trnd.engine.corelock import STAMP
+from trnd.engine.corelock import STAMP, process_state
 
 from .procs import children, free_port, stop, wait_for, wait_ready
 from .test_api_openai import Server
@@ -38,6 +38,12 @@ def holder_pid(lock: str) -> int:
     return STAMP.unpack(raw)[0] if len(raw) == STAMP.size else 0
 
 
+def stopped(pid: int) -> bool:
+    """Every thread of pid has stopped (a SIGSTOP reaches the threads one by one)."""
+    tasks = os.listdir(f"/proc/{pid}/task")
+    return all(process_state(int(t)) in ("T", "t") for t in tasks)
+
+
 @pytest.mark.slow
 def test_a_stopped_lock_holder_costs_the_other_role_one_turn(tiny_qwen3, tmp_path):
     """Two servers take turns on the cores; one is SIGSTOPped while it holds the lock. The other's token gaps
@@ -58,7 +64,8 @@ with httpx.stream("POST", "{a.url}/v1/completions", timeout=600, json={{"prompt"
         try:
             for _ in range(6000):  # stop it while it holds the lock (its stamp names it only while it does)
                 if holder_pid(lock) == a.proc.pid:
-                    a.proc.send_signal(signal.SIGSTOP)
+                    a.proc.send_signal(signal.SIGSTOP)  # delivered asynchronously: look once it has stopped
+                    wait_for(lambda: stopped(a.proc.pid), timeout=5, interval=0.001)
                     if holder_pid(lock) == a.proc.pid:
                         break
                     a.proc.send_signal(signal.SIGCONT)
@@ -123,7 +130,7 @@ def test_the_core_lock_path_is_kept_across_sighup_and_a_restart(tiny_qwen3, tmp_
         os.kill(kids["prefill"]["pid"], signal.SIGKILL)  # the supervisor restarts it, from its (reloaded) file
         new = wait_for(lambda: (c := _child_configs(proc.pid).get("prefill")) and c["pid"] != kids["prefill"]["pid"]
                        and _open_lock(c["pid"]), timeout=120)
-        assert new == lock
     finally:
         out = stop(proc)
+    assert new == lock, out
     assert "needs a restart" not in out, out

@@ -125,7 +125,7 @@ def test_cached_tokens_count_every_source_across_roles_and_each_role_logs_the_re
             peer.id: (f"cached={hit} [prefill={hit}] loaded={len(prompt)} [prefill_peer={len(prompt)}]", "alice"),
             remote.id: (f"cached={hit} [remote={hit}] loaded={len(prompt)} [prefill_peer={len(prompt)}]", "bob")}
     for rid, (kv, session) in want.items():
-        done = [ln for ln in lines(dlog, rid) if " done: " in ln]
+        done = [ln for ln in lines(dlog, rid) if " done: session=" in ln]  # the summary, not the timeline's "KV write 1 done:"
         assert len(done) == 1, lines(dlog, rid)
         assert "INFO" in done[0] and f"session={session} prompt={len(prompt)} {kv} ttft=" in done[0], done[0]
         assert "out=4" in done[0] and "finish=length" in done[0]
@@ -137,7 +137,7 @@ def test_cached_tokens_count_every_source_across_roles_and_each_role_logs_the_re
     # ...and on prefill, which logs its own end line per prefill under the same id (p<peer>/<id>)
     ptrail = "\n".join(lines(plog, remote.id))
     assert f"{hit} tokens loaded from remote" in ptrail and "prefill start" in ptrail, ptrail
-    pdone = [ln for ln in lines(plog, remote.id) if " done: " in ln]
+    pdone = [ln for ln in lines(plog, remote.id) if " done: session=" in ln]  # the summary, not the timeline's "KV write 1 done:"
     assert len(pdone) == 1 and f"session=bob prompt=300 cached={hit} [remote={hit}] loaded={hit} [remote={hit}]" \
         in pdone[0], pdone
     assert "out=1" in pdone[0]
@@ -215,7 +215,7 @@ def test_aggregated_counts_the_host_tier_and_preemptions(aggregated):
     assert httpx.post(f"http://127.0.0.1:{port}/admin/evict", timeout=10).status_code == 200  # pages -> L2
     r = client.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0, user="carol")
     assert r.usage.prompt_tokens_details.cached_tokens == hit
-    done = [ln for ln in lines(log, r.id) if " done: " in ln]
+    done = [ln for ln in lines(log, r.id) if " done: session=" in ln]  # the summary, not the timeline's "KV write 1 done:"
     assert len(done) == 1 and f"session=carol prompt=100 cached={hit} [host={hit}] loaded={hit} [host={hit}]" in \
         done[0], done
     # preemption: requests whose tokens together outgrow the pool
@@ -235,7 +235,7 @@ def test_aggregated_counts_the_host_tier_and_preemptions(aggregated):
     assert total(m, "trnd:num_preemptions_total") > 0
     assert total(m, "trnd:prompt_tokens_cached_total", source="host") == hit
     assert wait_for(lambda: admin_state(port)["pages"]["in_use"] == 0)
-    ends = [ln for o in outs for ln in lines(log, o.id) if " done: " in ln]
+    ends = [ln for o in outs for ln in lines(log, o.id) if " done: session=" in ln]  # the summary, not the timeline's "KV write 1 done:"
     assert len(ends) == n and any("preemptions=0" not in ln for ln in ends), ends
 
 

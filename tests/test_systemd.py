@@ -136,7 +136,10 @@ def test_sysusers_and_tmpfiles_make_the_account_and_directories(tmp_path):
 
 
 @pytest.mark.parametrize("name,cls", [("serve", ServeConfig), ("prefill", PrefillConfig), ("decode", DecodeConfig)])
-def test_example_role_configs_are_valid(name, cls):
+def test_example_role_configs_are_valid(name, cls, tmp_path, monkeypatch):
+    # the roles read their credentials at start: give them the ones the unit's LoadCredential= would
+    (tmp_path / "trnd_control_secret").write_text("s" * 32)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
     cfg = load_config(cls, ROOT / "configs" / f"{name}.toml")
     if name != "serve":
         assert cfg.secret_file == "${CREDENTIALS_DIRECTORY}/trnd_control_secret"  # what LoadCredential= names it

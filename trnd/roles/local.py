@@ -183,7 +183,8 @@ def heard(c: Child, msg: dict[str, str], now: float) -> None:
         c.ready = False
     if msg.get("READY") == "1":
         c.readies += 1
-        c.listening = msg.get(notify.LISTEN, "").split()
+        if notify.LISTEN in msg or not c.listening:  # a reload's READY=1 names no ports: the child kept its own
+            c.listening = msg.get(notify.LISTEN, "").split()
         bound = {a.rpartition(":")[2] for a in c.listening}
         missing = [f"{name} = {port}" for name, port in c.ports.items() if str(port) not in bound]
         if missing:
