@@ -17,7 +17,6 @@ import httpx
 
 from trnd.config import ConfigError, RouterConfig
 from trnd.router.app import RouterState, build_app, target_headers
-from trnd.router.events import PREFILL
 from trnd.router.policy import PrefixIndex
 from trnd.router.targets import Targets
 from trnd.roles.runtime import http_server, run_async
@@ -61,7 +60,7 @@ async def _main(life, cfg: RouterConfig, tokenizer, sock) -> int:
         st = RouterState(cfg=cfg, client=client, targets=targets, index=PrefixIndex(cfg.prefix_entries),
                          tokenizer=tokenizer, progress=life.loop)
         if cfg.kv_events:
-            from trnd.router.events import EventRouting
+            from trnd.router.events import PREFILL, EventRouting
 
             st.events = EventRouting()
             def on_state(t, state: dict) -> None:
