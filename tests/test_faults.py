@@ -138,16 +138,22 @@ def test_pre_auth_frames_are_bounded(dep):
 
 
 def test_sigstop_prefill_mid_prefill_then_sigcont(dep):
-    """Decode loses the stopped prefill (heartbeat) and fails the request; the resumed prefill posts no
-    write into pages decode reused, does not crash, re-handshakes; outputs are unchanged."""
+    """Decode loses the stopped prefill (no frame for peer_timeout_s: a hung peer is a lost one) and, with no
+    peer left, prefills the request itself (local_fallback), and every new request too, with the same greedy
+    outputs (before: new requests were held ready_hold_s, 30 s, then 503 not_ready, while a dead prefill was
+    not waited for); the resumed prefill posts no write into pages decode reused, does not crash,
+    re-handshakes; outputs are unchanged."""
     proc, cp, ap = dep.prefills[0]
     long = prompts([6000], seed=12)[0]
     t, result = background(lambda: dep.complete(long, max_tokens=4))
     assert wait_for(lambda: admin_state(ap)["running"], timeout=20, interval=0.01)
     proc.send_signal(signal.SIGSTOP)
     try:
-        t.join(30)
-        assert result["status"] == 503, result
+        t.join(120)
+        assert result["status"] == 200, result
+        assert greedy(dep) == dep.expected  # while the prefill is still stopped
+        state = admin_state(dep.port)
+        assert not state["peers"][0]["healthy"] and state["transfers"]["local_fallbacks"] >= len(GREEDY)
     finally:
         proc.send_signal(signal.SIGCONT)
     wait_ready(dep.port, dep.decode, timeout=30)

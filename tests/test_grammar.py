@@ -157,3 +157,54 @@ def test_prefill_first_token_then_decode_continues(tiny_qwen3):
                 out_ids += out.token_ids
         assert out_ids == whole.token_ids
         jsonschema.validate(json.loads(b.tokenizer.decode(out_ids)), SCHEMA)
+
+
+def test_a_grammar_compiles_once_and_requests_copy_it(grammars):
+    """Before: the same large grammar sent twice compiled twice (4.3-5.9 s each). It is kept, compiled, by its
+    canonical text; a request's matcher is a copy, so two requests never share a position."""
+    spec = GrammarSpec(kind="json_schema", value=json.dumps(SCHEMA))
+    assert not grammars.cached(spec)
+    assert grammars.check(spec) is None and grammars.cached(spec)
+    a, b = grammars.state(spec), grammars.state(GrammarSpec(kind=spec.kind, value=spec.value, after="</think>"))
+    assert a.matcher is not b.matcher
+
+
+def test_a_compile_past_its_time_is_a_400_naming_the_limit_and_the_loop_serves_meanwhile():
+    import asyncio
+    import threading
+
+    from trnd.api.errors import APIError
+    from trnd.api.structured import GrammarLimits, compile_grammar
+
+    release = threading.Event()
+
+    class SlowGrammars:
+        def cached(self, spec):
+            return False
+
+        def check(self, spec):
+            release.wait(10)
+            return None
+
+    class Engine:
+        grammars = SlowGrammars()
+
+    async def go():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        t = asyncio.create_task(tick())
+        with pytest.raises(APIError) as e:
+            await compile_grammar(Engine(), (GrammarSpec(kind="regex", value="x"), "structured_outputs.regex"),
+                                  GrammarLimits(compile_s=0.3))
+        t.cancel()
+        release.set()
+        return e.value, ticks
+
+    err, ticks = asyncio.run(go())
+    assert err.status == 400 and "grammar_compile_s" in str(err.body()) and ticks > 5

@@ -188,3 +188,37 @@ def test_admin_requests_finds_every_choice_of_an_n_2_request(server):
     assert sorted(t["id"] for t in got.json()["traces"]) == [f"{rid}-0", f"{rid}-1"]
     assert httpx.get(f"{server.url}/admin/requests/{rid}-1", timeout=20).json()["traces"][0]["id"] == f"{rid}-1"
     assert httpx.get(f"{server.url}/admin/requests/{rid[:-1]}", timeout=20).status_code == 404
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def chat(server, body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+
+
+def test_grammar_limits_are_400s_naming_the_field_and_the_limit(server):
+    """Before: a json_schema or tool schema nested 300-400 deep was a 500; a 2.3 MB grammar a 500 after 33-49 s
+    (/health 15-22 s meanwhile); the regex (a{1000}){1000} a 200 with text that did not match it."""
+    deep = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(300)}}
+    r = chat(server, {"response_format": deep})
+    assert_error(r, 400, param="response_format.json_schema.schema")
+    assert "max_grammar_depth" in r.json()["error"]["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": _nested(400)}}
+    r = chat(server, {"tools": [tool], "tool_choice": "required"})
+    assert_error(r, 400, param="tools[0].function.parameters")
+    r = post(server, {"structured_outputs": {"regex": "a" * 300_000}})
+    assert_error(r, 400, param="structured_outputs.regex")
+    assert "max_grammar_chars" in r.json()["error"]["message"] and "262144" in r.json()["error"]["message"]
+    r = post(server, {"structured_outputs": {"regex": "(a{1000}){1000}"}})
+    assert_error(r, 400, param="structured_outputs.regex")
+    assert "cannot enforce" in r.json()["error"]["message"]
+    ok = chat(server, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(5)}}})
+    assert ok.status_code == 200, ok.text
+    assert post(server, {"structured_outputs": {"regex": "[0-9]{3}"}, "max_tokens": 4}).status_code == 200
+    still_serves(server)

@@ -87,3 +87,34 @@ def test_random_baseline_ignores_sessions():
     got = {choose(ts, 10, "same", [], PrefixIndex(10), 4, spray=i)[0].addr for i in range(16)}
     assert got == {t.addr for t in ts}  # one session, both targets
     assert all(choose(ts, 10, "same", [], PrefixIndex(10), 4, spray=i)[1] == "random" for i in range(4))
+
+
+def test_session_and_prefix_maps_are_bounded_and_their_bytes_measured():
+    """Before: the router kept every session id as the client sent it (4,000 ids of 62 KB: +214-233 MB). Ids
+    are hashed to 32 characters on entry and both maps drop their least recently used entries at capacity;
+    the byte gauges' per-entry sizes are what tracemalloc measures here (within a quarter)."""
+    import random
+    import tracemalloc
+
+    from trnd.router.policy import PREFIX_ENTRY_BYTES, SESSION_ENTRY_BYTES, PrefixIndex, Sessions, session_key
+
+    assert len(session_key("x" * 2**21)) == 32 and session_key("a\nb\0\udcff") != session_key("a")
+    s, p = Sessions(1000), PrefixIndex(1000)
+    for i in range(5000):
+        s.record(session_key(f"s{i}" * 1000), "a:1" if i % 2 else "b:1")
+    p.record(list(range(5000)), "a:1")
+    assert len(s.map) == 1000 and len(p.map) == 1000 and session_key("s4999" * 1000) in s.map
+    assert sum(s.per_target().values()) == 1000 and s.nbytes == 1000 * SESSION_ENTRY_BYTES
+    tracemalloc.start()
+    try:
+        for cls, make, each in ((Sessions, lambda i: session_key(str(i)), SESSION_ENTRY_BYTES),
+                                (PrefixIndex, lambda i: random.getrandbits(64), PREFIX_ENTRY_BYTES)):
+            m, before = cls(10**6), tracemalloc.get_traced_memory()[0]
+            keys = [make(i) for i in range(20000)]
+            for k in keys:
+                m.record(k, "a:1") if cls is Sessions else m.record([k], "a:1")
+            per = (tracemalloc.get_traced_memory()[0] - before) / len(keys)
+            del m, keys
+            assert 0.75 * each < per < 1.25 * each, (cls.__name__, per)
+    finally:
+        tracemalloc.stop()

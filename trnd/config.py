@@ -138,6 +138,11 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_stop_chars: Positive = 1024  # their total length
     max_logit_bias: Positive = 300  # logit_bias entries per request (each is added to the logits every step)
     max_stop_token_ids: Positive = 128  # stop_token_ids per request (each new token is looked up among them)
+    # A request's grammar (response_format, structured_outputs, tool schemas; api/structured.py): its text, a
+    # schema's JSON nesting, and the time its compile may take on a worker thread. Past each: 400 naming it.
+    max_grammar_chars: Positive = 262_144
+    max_grammar_depth: Positive = 64
+    grammar_compile_s: Annotated[float, Meta(gt=0)] = 10.0
     max_job_tokens: Positive | None = None  # n x (prompt + max_tokens) of one request; None: no cap
     max_header_bytes: Positive = 64 * 2**10  # request line + headers; beyond: 431
     header_timeout_s: Annotated[float, Meta(gt=0)] = 10.0  # the headers must be in by then, or the connection is closed
@@ -383,7 +388,11 @@ class PrefillConfig(RoleConfig, kw_only=True):
 class DecodeConfig(ServeConfig, kw_only=True):
     prefill: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8100"])  # host:port of prefill peers
     heartbeat_s: Annotated[float, Meta(gt=0)] = 1.0
-    peer_timeout_s: Annotated[float, Meta(gt=0)] = 3.0  # no frame for this long: the peer is dead
+    # No frame for this long (three missed heartbeats): the peer is lost, whether it died or hangs (SIGSTOP).
+    peer_timeout_s: Annotated[float, Meta(gt=0)] = 3.0
+    # With no prefill peer left (every one lost after the first handshake), prefill every prompt here instead of
+    # holding requests for ready_hold_s and answering 503; a peer that comes back is used again at once.
+    local_fallback: bool = True
     fence_s: Annotated[float, Meta(ge=0)] = 2.0  # after losing a peer, its target pages rest this long
     prefill_retries: Annotated[int, Meta(ge=0)] = 1
     # A request's KV must have landed this long after it was sent to a prefill peer, or it fails with
@@ -413,7 +422,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     request_timeout_s: Annotated[float, Meta(gt=0)] = 600.0  # no byte from a target this long: the request ends
     retries: Annotated[int, Meta(ge=0, le=4)] = 1  # a request not yet streaming is retried on another target
     prefix_block_chars: Positive = 256  # prefix affinity: the router hashes prompts in blocks of this many chars
-    prefix_entries: Positive = 200_000  # block hashes remembered (LRU)
+    prefix_entries: Positive = 200_000  # block hashes remembered (LRU; ~141 bytes each: 28 MB at most)
+    max_sessions: Positive = 100_000  # session ids remembered per router (LRU, hashed to 32 chars: ~17 MB at most)
+    # Counting a prompt's tokens for fit: at most this many characters are tokenized (off the event loop); a
+    # longer prompt's count is the tokenized part's, scaled by length (the target checks the exact count).
+    max_tokenize_chars: Positive = 262_144
     prefix_load_slack: Annotated[int, Meta(ge=0)] = 4  # a prefix target may carry this many more in flight
     policy: str = "affinity"  # affinity: session, prefix, load (trnd/router/policy.py); random: benchmarks
     # route the prefix rule on the targets' KV events (their real caches: trnd/router/events.py) instead of

@@ -270,6 +270,7 @@ class Transfers(_S):
     kv_bytes_received: int | None = None  # decode: kv_pages_received x page_bytes
     aborted: int | None = None
     local_prefills: int | None = None  # decode: prompts prefilled here (local_prefill_tokens), not handed off
+    local_fallbacks: int | None = None  # decode: prompts prefilled here because no prefill peer was left
     refused: int | None = None
     unauthenticated: int | None = None
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from trnd.api import protocol as P
 from trnd.api.errors import invalid
 from trnd.api.reasoning import END, ReasoningParser
-from trnd.api.structured import request_grammar
+from trnd.api.structured import DEFAULT_LIMITS, GrammarLimits, check_depth, find_grammar, request_grammar
 from trnd.api.tools import make_parser, tool_grammar
 from trnd.sampling_params import GrammarSpec
 
@@ -25,7 +25,8 @@ class ChatPlan:
     parallel: bool = True
 
 
-def plan_chat(req: P.ChatCompletionRequest, tool_call_parser: str, reasoning_parser: str) -> ChatPlan:
+def plan_chat(req: P.ChatCompletionRequest, tool_call_parser: str, reasoning_parser: str,
+              limits: GrammarLimits = DEFAULT_LIMITS) -> ChatPlan:
     plan = ChatPlan(reasoning_parser=None if reasoning_parser == "none" else reasoning_parser)
     kwargs = dict(req.chat_template_kwargs or {})
     for k in RESERVED_TEMPLATE_KWARGS:
@@ -43,6 +44,8 @@ def plan_chat(req: P.ChatCompletionRequest, tool_call_parser: str, reasoning_par
             raise invalid(f"tools[{i}].type", f"tools[{i}].type {t.type!r} is not supported (function)")
         if t.function.parameters is not None and not isinstance(t.function.parameters, dict):
             raise invalid(f"tools[{i}].function.parameters", "parameters must be a JSON schema object")
+        if t.function.parameters is not None:  # before anything walks it (a 400-deep schema was a 500)
+            check_depth(f"tools[{i}].function.parameters", t.function.parameters, limits)
     defs = [{"name": t.function.name, "description": t.function.description,
              "parameters": t.function.parameters or {"type": "object", "properties": {}}} for t in req.tools]
     choice = "auto" if choice is None else choice
@@ -69,10 +72,19 @@ def plan_chat(req: P.ChatCompletionRequest, tool_call_parser: str, reasoning_par
 
 
 def chat_grammar(req: P.ChatCompletionRequest, plan: ChatPlan, prompt: str, engine) -> GrammarSpec | None:
-    """The request's grammar; with a reasoning parser it starts after `</think>`, unless the prompt
-    already closed the think block (enable_thinking: false)."""
-    after = END if plan.reasoning_parser and not prompt.rstrip().endswith(END) else None
-    return request_grammar(req, engine, plan.tool_spec, after)
+    """The request's grammar, compiled on this thread (tests); the server finds it with chat_grammar_found
+    and compiles it off its loop (structured.compile_grammar)."""
+    return request_grammar(req, engine, plan.tool_spec, _after(plan, prompt))
+
+
+def chat_grammar_found(req: P.ChatCompletionRequest, plan: ChatPlan, prompt: str, limits: GrammarLimits):
+    """(spec, field) of the request's grammar, or None; with a reasoning parser it starts after `</think>`,
+    unless the prompt already closed the think block (enable_thinking: false)."""
+    return find_grammar(req, plan.tool_spec, _after(plan, prompt), limits)
+
+
+def _after(plan: ChatPlan, prompt: str) -> str | None:
+    return END if plan.reasoning_parser and not prompt.rstrip().endswith(END) else None
 
 
 class ChoiceText:

@@ -26,12 +26,12 @@ from starlette.routing import Route
 
 from trnd.api import protocol as P
 from trnd.api.app import AppState, admin_routes, make_app
-from trnd.api.chat import ChatPlan, ChoiceText, chat_grammar, plan_chat
+from trnd.api.chat import ChatPlan, ChoiceText, chat_grammar_found, plan_chat
 from trnd.api.errors import from_decode_error
 from trnd.api.fields import check_vocabulary, shown
 from trnd.api.params import chat_messages, check_completion_prompt, to_sampling_params
 from trnd.api.stream import EventStream, merge, sse, until_disconnect
-from trnd.api.structured import request_grammar
+from trnd.api.structured import GrammarLimits, compile_grammar, find_grammar
 from trnd.config import ServeConfig
 from trnd.engine.engine import LengthError
 from trnd.engine.loop import DeadlineExceeded, EngineLoop, QueueFull, Unavailable
@@ -78,6 +78,21 @@ async def _decode(request: Request, st: AppState, typ: type):
     return req
 
 
+BODY_TYPES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest}
+
+
+def check_body(path: str, body: bytes) -> None:
+    """This server's body validation alone, as an APIError 400 naming the field: the router runs it before
+    it reads a body of its own (roles/router.py gives it the router), so a body of the wrong shape is the
+    same 400 there as here."""
+    try:
+        msgspec.json.decode(body, type=BODY_TYPES[path])
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None
+    except RecursionError:  # msgspec's nesting limit
+        raise APIError(400, "The request body is nested too deeply", code="invalid_json") from None
+
+
 async def _encode(st: AppState, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) <= INLINE_TOKENIZE_CHARS:
         return st.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -91,12 +106,13 @@ async def chat_completions(request: Request) -> Response:
                                    st.cfg.max_logit_bias, st.cfg.max_stop_token_ids)
     params.cache_salt, params.prefill_hint = salt_of(req, request, st), prefill_hint(request)
     messages = chat_messages(req)
-    plan = plan_chat(req, st.cfg.tool_call_parser, st.cfg.reasoning_parser)
+    limits = GrammarLimits.of(st.cfg)
+    plan = plan_chat(req, st.cfg.tool_call_parser, st.cfg.reasoning_parser, limits)
     try:
         prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **plan.template_kwargs)
     except (jinja2.TemplateError, ValueError, TypeError) as e:  # "roles must alternate", no template at all...
         raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
-    params.grammar = chat_grammar(req, plan, prompt, st.loop.engine)
+    params.grammar = await compile_grammar(st.loop.engine, chat_grammar_found(req, plan, prompt, limits), limits)
     # The template already wrote every special token (BOS included); encoding must not add another.
     ids = await _encode(st, prompt, add_special_tokens=False)
     job = Job(st, "chat", ids, params, n, session_of(req, request), bool(req.stream),
@@ -131,7 +147,8 @@ async def completions(request: Request) -> Response:
                                    st.cfg.max_logit_bias, st.cfg.max_stop_token_ids)
     params.cache_salt, params.prefill_hint = salt_of(req, request, st), prefill_hint(request)
     prompt = check_completion_prompt(req.prompt)
-    params.grammar = request_grammar(req, st.loop.engine)
+    limits = GrammarLimits.of(st.cfg)
+    params.grammar = await compile_grammar(st.loop.engine, find_grammar(req, limits=limits), limits)
     ids = await _encode(st, prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
     job = Job(st, "completion", ids, params, n, session_of(req, request), bool(req.stream),
               bool(req.stream_options and req.stream_options.include_usage), "prompt", arrival,

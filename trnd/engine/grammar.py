@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
-from functools import lru_cache
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -28,6 +29,7 @@ log = logging.getLogger("trnd.grammar")
 
 # Compact JSON: the model may not pad a value with unbounded whitespace (a random model would).
 JSON_OPTIONS = {"whitespace_flexible": False}
+TEMPLATES = 256  # compiled grammars kept (LRU)
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -59,21 +61,52 @@ class Grammars:
         self.tokenizer = L.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
         self.executor = L.LLExecutor(num_threads=2)
         self._shifts = torch.arange(32, dtype=torch.int32)
-        self._compiled = lru_cache(maxsize=256)(grammar_text)
+        # Compiled matchers by the grammar's canonical text (api/structured.py): a request copies one
+        # (deep_copy) instead of compiling again. The same 2 MB grammar sent twice compiled twice, 4-6 s each.
+        self._templates: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(spec: GrammarSpec) -> tuple[str, str]:
+        return spec.kind, spec.value  # `after` only delays the grammar: the same matcher
+
+    def cached(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            return self._key(spec) in self._templates
 
     def check(self, spec: GrammarSpec) -> str | None:
-        """Why this spec cannot be compiled, or None."""
+        """Why this spec cannot be compiled, or None (and it is kept, compiled, for `state`)."""
+        key = self._key(spec)
+        with self._lock:
+            if key in self._templates:
+                self._templates.move_to_end(key)
+                return None
         try:
-            text = self._compiled(spec)
-        except (ValueError, TypeError) as e:
+            text = grammar_text(spec)
+        except (ValueError, TypeError, RecursionError) as e:
             return str(e)
-        return self._L.LLMatcher.validate_grammar(text, self.tokenizer) or None
+        why = self._L.LLMatcher.validate_grammar(text, self.tokenizer)
+        if why:
+            return why
+        matcher = self._L.LLMatcher(self.tokenizer, text, log_level=0)
+        if matcher.is_error():
+            return matcher.get_error()
+        with self._lock:
+            self._templates[key] = matcher
+            while len(self._templates) > TEMPLATES:
+                self._templates.popitem(last=False)
+        return None
 
     def state(self, spec: GrammarSpec) -> "GrammarState":
-        matcher = self._L.LLMatcher(self.tokenizer, self._compiled(spec), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"grammar: {matcher.get_error()}")
-        return GrammarState(self, matcher, spec.after)
+        with self._lock:
+            template = self._templates.get(self._key(spec))
+        if template is None:  # evicted since the API checked it (or a prefill server's first sight of it)
+            why = self.check(spec)
+            if why is not None:
+                raise ValueError(f"grammar: {why}")
+            with self._lock:
+                template = self._templates[self._key(spec)]
+        return GrammarState(self, template.deep_copy(), spec.after)
 
     def mask(self, x: torch.Tensor, rows: list[int], states: list["GrammarState"],
              drafts: list[list[int]] | None = None) -> torch.Tensor:

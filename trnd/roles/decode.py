@@ -130,9 +130,10 @@ class DecodeServer:
         self.xfer_metrics = self.engine.xfer_metrics  # per prefill peer: op kv_receive (handoff sent -> KV landed)
         self.aio: asyncio.AbstractEventLoop | None = None
         self.stats = {"handoffs": 0, "retried": 0, "failed": 0, "fenced": 0, "timed_out": 0,
-                      "kv_pages_received": 0, "kv_bytes_received": 0, "local_prefills": 0, "digest_failures": 0,
-                      "local_for_link": 0, "prefill_by_prefix": 0}
+                      "kv_pages_received": 0, "kv_bytes_received": 0, "local_prefills": 0, "local_fallbacks": 0,
+                      "digest_failures": 0, "local_for_link": 0, "prefill_by_prefix": 0}
         self.local_prefill_tokens = local_prefill_tokens(cfg)
+        self._had_peer = False  # a peer handshaked once: from then on, losing all of them is the local fallback
         if self.local_prefill_tokens:
             log.info("prompts of at most %d uncached tokens are prefilled here, longer ones by a prefill peer "
                      "(local_prefill_tokens%s)", self.local_prefill_tokens,
@@ -140,7 +141,14 @@ class DecodeServer:
 
     @property
     def ready(self) -> bool:
-        return any(p.healthy for p in self.peers)
+        """A prefill peer handshaked; after the first, also none (every peer lost) where local_fallback is on."""
+        return any(p.healthy for p in self.peers) or self.fallback
+
+    @property
+    def fallback(self) -> bool:
+        """No peer is left to take a prompt, and this server prefills them itself (local_fallback): a hung peer
+        (missed heartbeats for peer_timeout_s) and a dead one alike."""
+        return self._had_peer and self.cfg.local_fallback and not any(p.healthy for p in self.peers)
 
     # -- control plane (asyncio) --------------------------------------------------------------------
 
@@ -200,6 +208,7 @@ class DecodeServer:
         peer.plan = make_plan(layout_from(reply.manifest), self.layout)
         peer.refused, peer.error = None, None
         peer.healthy, peer.last_seen = True, time.monotonic()
+        self._had_peer = True
         peer.connects += 1
         log.info("prefill %s handshaked (agent %s, tp=%d)%s", peer.addr, name, reply.manifest.tp,
                  peer.failures.recovered() or "")
@@ -309,6 +318,10 @@ class DecodeServer:
             return None
         if peer is None:
             reasons = "; ".join(f"{p.addr}: {p.refused or p.error or 'connecting'}" for p in self.peers)
+            if self.fallback:
+                self.stats["local_fallbacks"] += 1
+                trace.phase(req, f"prefilled here: no prefill server left ({reasons}; local_fallback)")
+                return None
             return FromPrefill(self, req, Unavailable(f"no prefill server available ({reasons})"))
         skip = req.num_cached // self.point.page_size
         req.handoffs += 1
@@ -358,7 +371,7 @@ class DecodeServer:
             self.stats["failed"] += 1
             return Landing(error=Unavailable(f"prefill {a.peer}: {bad}"))
         if a.over == "lost":  # its target pages are in quarantine (held); retry elsewhere or fail
-            if req.handoffs <= self.cfg.prefill_retries and self._pick() is not None:
+            if req.handoffs <= self.cfg.prefill_retries and (self._pick() is not None or self.fallback):
                 self.stats["retried"] += 1
                 return Landing(retry=True)
             self.stats["failed"] += 1
@@ -472,7 +485,8 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
         app = build_app(server.loop, cfg, name, server.state_extra)
         st = app.state.trnd
         st.metrics.role_stats = lambda: {f"decode_{k}": server.stats[k] for k in
-                                         ("handoffs", "retried", "failed", "timed_out", "fenced", "local_prefills")}
+                                         ("handoffs", "retried", "failed", "timed_out", "fenced", "local_prefills",
+                                          "local_fallbacks")}
         st.ready_fn = lambda: server.ready
         http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, cfg, sock=sock)
 

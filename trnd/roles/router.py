@@ -57,8 +57,10 @@ async def _main(life, cfg: RouterConfig, tokenizer, sock) -> int:
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         targets = Targets(cfg.targets, client, probe_s=cfg.probe_s, probe_timeout_s=cfg.probe_timeout_s,
                           fail_after=cfg.fail_after, headers=target_headers(cfg))
+        from trnd.api.server import check_body
+
         st = RouterState(cfg=cfg, client=client, targets=targets, index=PrefixIndex(cfg.prefix_entries),
-                         tokenizer=tokenizer, progress=life.loop)
+                         tokenizer=tokenizer, progress=life.loop, check_body=check_body)
         if cfg.kv_events:
             from trnd.router.events import PREFILL, EventRouting
 

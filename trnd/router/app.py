@@ -7,7 +7,9 @@ router. The probes, API key and error schema are every role's (trnd/http/).
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -25,7 +27,7 @@ from trnd.http.app import json_response, read_body, state_of
 from trnd.http.auth import key_swap
 from trnd.http.errors import APIError
 from trnd.http.tenant import MAX_SALT_CHARS, bearer, tenant_salt
-from trnd.router.policy import PrefixIndex, prefix_hashes
+from trnd.router.policy import PrefixIndex, Sessions, prefix_hashes, session_key
 from trnd.router.proxy import Proxied
 from trnd.router.targets import Target, Targets
 
@@ -43,7 +45,6 @@ class RouterMetrics:
         self.retries = Counter("trnd:router_retries", "Requests retried on another target", registry=r)
         healthy = Gauge("trnd:router_target_healthy", "1 while the target answers /ready", ["target"], registry=r)
         in_flight = Gauge("trnd:router_target_in_flight", "Requests in flight per target", ["target"], registry=r)
-        self._gauges = (healthy, in_flight)
         self.kv_feed_ok = Gauge("trnd:router_kv_feed_ok", "1 while the target's KV-event feed is complete and "
                                 "current; 0: stale (down, joined mid-stream, batches lost): routed by load only",
                                 ["target"], registry=r)
@@ -52,10 +53,18 @@ class RouterMetrics:
         self.kv_routes = Gauge("trnd:router_kv_routes_total", "Requests routed on the KV-event index, by outcome: hit "
                                "(a target held a prefix), miss (none did), unusable (no candidate's feed was ok: by "
                                "load), empty (the index held nothing)", ["outcome"], registry=r)
+        entries = Gauge("trnd:router_map_entries", "Entries of the router's bounded maps (LRU)", ["map"], registry=r)
+        nbytes = Gauge("trnd:router_map_bytes", "Memory of the router's bounded maps (entries x measured entry size)",
+                       ["map"], registry=r)
+        limit = Gauge("trnd:router_map_capacity", "The maps' bounds (max_sessions, prefix_entries)", ["map"],
+                      registry=r)
+        self.client_errors = Counter("trnd:router_client_errors", "Requests refused by the router itself (400s), "
+                                     "never counted against a target", registry=r)
+        self._gauges = (healthy, in_flight, entries, nbytes, limit)
         self.st = st
 
     def render(self) -> bytes:
-        healthy, in_flight = self._gauges
+        healthy, in_flight, entries, nbytes, limit = self._gauges
         for t in self.st.targets.all:
             healthy.labels(t.addr).set(1 if t.healthy else 0)
             in_flight.labels(t.addr).set(t.in_flight)
@@ -67,6 +76,10 @@ class RouterMetrics:
             for outcome, n in (("hit", ev.hits), ("miss", ev.misses), ("unusable", ev.unusable),
                                ("empty", ev.empty_routes), ("prefill_hit", ev.prefill_hits)):
                 self.kv_routes.labels(outcome).set(n)
+        for name, m in (("sessions", self.st.sessions), ("prefix", self.st.index)):
+            entries.labels(name).set(len(m.map))
+            nbytes.labels(name).set(m.nbytes)
+            limit.labels(name).set(m.capacity)
         return generate_latest(self.registry)
 
 
@@ -81,6 +94,10 @@ class RouterState(Readiness):
     tokenizer: object | None = None  # trnd Tokenizer of the targets' model: exact prompt counts
     events: object | None = None  # router/events.py EventRouting: the targets' real caches (kv_events = true)
     target_key: str | None = None  # read at start and on reload, never per request
+    # The decode servers' own body validation (api/server.py check_body, given by roles/router.py: the router's
+    # room does not import api): a body of the wrong shape is their 400 here too, never a 500.
+    check_body: Callable[[str, bytes], None] | None = None
+    sessions: Sessions | None = None
     routed: dict[str, int] = field(default_factory=lambda: {"session": 0, "prefix": 0, "load": 0, "random": 0})
     metrics: RouterMetrics | None = None
     sprayed: int = 0
@@ -93,6 +110,8 @@ class RouterState(Readiness):
             f"{t.addr}: {t.error or 'probing'}" for t in self.targets.all)
         self.ready_hold_s = self.cfg.ready_hold_s
         self.target_key = self.cfg.resolved_target_key()
+        self.sessions = self.sessions or Sessions(self.cfg.max_sessions)
+        self.tokenizing = asyncio.Semaphore(1)  # one prompt tokenized at a time, on a worker thread
 
     def reload(self, cfg: RouterConfig, live: list[str]):
         """daemon/lifecycle.py Readiness.reload: targets, the key sent to them and the clients' key. Both
@@ -164,15 +183,30 @@ def prompt_text(path: str, data: dict) -> str:
     return p if isinstance(p, str) else msgspec.json.encode(p).decode()
 
 
-def needed_tokens(st: RouterState, path: str, data: dict, text: str) -> int:
-    """prompt + max_tokens: counted with the model's tokenizer when the router has it, else bounded by the
-    UTF-8 byte count (a byte-level BPE never makes more tokens than bytes)."""
+TOKENIZE_CHUNK_CHARS = 65536  # a long text is tokenized in pieces: the tokenizer's buffers stay this small
+
+
+def count_tokens(tokenizer, text: str, add_special_tokens: bool, limit: int) -> int:
+    """Tokens of `text`, counted piece by piece (a 3.5 MB prompt whole left the router's RSS at 1.6-1.8 GB);
+    past `limit` characters, the counted part's tokens scaled by length (an estimate: the target counts
+    exactly and answers 400 itself if it does not fit)."""
+    part = text[:limit]
+    n = sum(len(tokenizer.encode(part[i:i + TOKENIZE_CHUNK_CHARS], add_special_tokens=add_special_tokens and i == 0))
+            for i in range(0, len(part), TOKENIZE_CHUNK_CHARS))
+    return n if len(part) == len(text) else -(-n * len(text) // len(part))
+
+
+async def needed_tokens(st: RouterState, path: str, data: dict, text: str) -> int:
+    """prompt + max_tokens: counted with the model's tokenizer when the router has it (on a worker thread,
+    one prompt at a time, at most max_tokenize_chars of it), else bounded by the UTF-8 byte count (a
+    byte-level BPE never makes more tokens than bytes)."""
     chat = path == "/v1/chat/completions"
     prompt = data.get("prompt")
     if not chat and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         n = len(prompt)  # token ids: counted as they are
     elif st.tokenizer is not None:
-        n = len(st.tokenizer.encode(text, add_special_tokens=not chat))
+        async with st.tokenizing:
+            n = await asyncio.to_thread(count_tokens, st.tokenizer, text, not chat, st.cfg.max_tokenize_chars)
         n += MESSAGE_OVERHEAD_TOKENS * len(data.get("messages") or []) if chat else 0
     else:
         n = len(text.encode("utf-8", errors="replace"))
@@ -181,23 +215,26 @@ def needed_tokens(st: RouterState, path: str, data: dict, text: str) -> int:
     return n + mt
 
 
-def event_blocks(st: RouterState, path: str, data: dict, text: str, salt: str | None, auth: str | None) -> list:
+def event_blocks(st: RouterState, path: str, data: dict, salt: str | None, auth: bytes | None) -> list:
     """The prompt's blocks as its target will hash them (router/events.py): its token ids as the server makes
     them, under the salt the server will key them by (the router's, salted again with the key the router
-    presents where the targets have keys: http/tenant.py)."""
+    presents where the targets have keys: http/tenant.py). Run on a worker thread; a text past
+    max_tokenize_chars is tokenized up to there (its first blocks: enough to find a cached prefix)."""
+    limit = st.cfg.max_tokenize_chars
     try:
         if path == "/v1/chat/completions":
             msgs = [{"role": m.get("role"), "content": _text(m.get("content"))} for m in data.get("messages") or []
                     if isinstance(m, dict)]
-            ids = st.tokenizer.encode(st.tokenizer.apply_chat_template(msgs, add_generation_prompt=True),
-                                      add_special_tokens=False)
+            text = st.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+            ids = st.tokenizer.encode(text[:limit], add_special_tokens=False)
         else:
             p = data.get("prompt")
             ids = p if isinstance(p, list) and all(isinstance(t, int) for t in p) else (
-                st.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else [])
+                st.tokenizer.encode(p[:limit], add_special_tokens=True) if isinstance(p, str) else [])
     except Exception:  # a template this prompt cannot render here: no blocks (routed by load, counted a miss)
         return []
     keyed = any(t.keyed for t in st.targets.healthy())
+    auth = auth.decode("latin-1") if isinstance(auth, bytes) else auth
     key = auth[7:] if keyed and auth and auth[:7].lower() == "bearer " else None
     return st.events.blocks_of(ids, tenant_salt(key, salt))
 
@@ -209,7 +246,12 @@ def _route(path: str):
         body = await read_body(request, st.cfg.max_body_bytes)
         await st.wait_serving()
         try:
+            if st.check_body is not None:
+                st.check_body(path, body)  # the decode servers' own 400s (a field of the wrong type, ...)
             data = msgspec.json.decode(body)
+        except APIError:
+            st.metrics.client_errors.inc()
+            raise
         except msgspec.DecodeError as e:
             raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None
         except RecursionError:  # msgspec's nesting limit: a 400 here too, never a 500 (api/server.py _decode)
@@ -218,9 +260,10 @@ def _route(path: str):
             raise APIError(400, "The body must be a JSON object", code="invalid_json")
         # prompt_cache_key (OpenAI's name) stands for session_id, as on the servers (api/server.py)
         field = "session_id" if data.get("session_id") is not None else "prompt_cache_key"
-        session = data.get(field) or request.headers.get("x-session-id")
+        session = data.get(field) or _header(request, b"x-session-id")
         if session is not None and not isinstance(session, str):
             raise APIError(400, f"{field} must be a string", param=field)
+        session = session_key(session) if session else None  # hashed on entry: fixed size, safe in a header
         salt = data.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_CHARS):
             raise APIError(400, f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters",
@@ -233,19 +276,21 @@ def _route(path: str):
         text = prompt_text(path, data)
         headers = {"content-type": "application/json"}
         key = st.target_key
-        auth = f"Bearer {key}" if key else request.headers.get("authorization")
+        auth = f"Bearer {key}".encode() if key else _header_bytes(request, b"authorization")
         if auth:
-            headers["authorization"] = auth
+            headers["authorization"] = auth  # the client's own bytes: h11 parsed them, no CR/LF/NUL can be in them
         if session:
             headers["x-session-id"] = session
-        hashes = (event_blocks(st, path, data, text, salt, auth) if st.events is not None
-                  else prefix_hashes(text, st.cfg.prefix_block_chars, salt))
         if st.events is not None:
+            async with st.tokenizing:  # the prompt's exact ids, off the loop and bounded (max_tokenize_chars)
+                hashes = await asyncio.to_thread(event_blocks, st, path, data, salt, auth)
             peer, _ = st.events.prefill_for(hashes)
             if peer is not None:
                 headers["x-trnd-prefill"] = peer
-        return Proxied(st, path, body, bool(data.get("stream")), needed_tokens(st, path, data, text), session,
-                       hashes, headers)
+        else:
+            hashes = prefix_hashes(text, st.cfg.prefix_block_chars, salt)
+        need = await needed_tokens(st, path, data, text)
+        return Proxied(st, path, body, bool(data.get("stream")), need, session, hashes, headers)
     return handler
 
 
@@ -260,9 +305,20 @@ async def models(request: Request) -> Response:
     return json_response({"object": "list", "data": list(cards.values())})
 
 
+def _header_bytes(request: Request, name: bytes) -> bytes | None:
+    return next((v for k, v in request.scope["headers"] if k == name), None)
+
+
+def _header(request: Request, name: bytes) -> str | None:
+    """A header as text; a client's non-UTF-8 bytes (a Latin-1 byte in x-session-id was a 500) kept as
+    surrogates, which session_key hashes like any other text."""
+    raw = _header_bytes(request, name)
+    return raw.decode("utf-8", "surrogateescape") if raw is not None else None
+
+
 def router_state(st: RouterState) -> snapshot.State:
     """The router's part of the /admin/state schema (trnd/snapshot.py): its targets are its peers."""
-    now = time.monotonic()
+    now, sessions = time.monotonic(), st.sessions.per_target()
     return snapshot.State(
         role="router", uptime_s=round(time.time() - st.started, 1), draining=st.draining,
         model=next((t.model for t in st.targets.all if t.model), None),
@@ -270,5 +326,5 @@ def router_state(st: RouterState) -> snapshot.State:
                                  prefix_entries=len(st.index.map)),
         peers=[snapshot.Peer(kind="decode", addr=t.addr, healthy=t.healthy, point=t.point,
                              max_model_len=t.max_model_len, outstanding=t.in_flight, requests=t.requests,
-                             sessions=len(t.sessions), error=t.error,
+                             sessions=sessions.get(t.addr, 0), error=t.error,
                              last_seen_s=round(now - t.last_ok, 2) if t.last_ok else None) for t in st.targets.all])

@@ -47,12 +47,54 @@ def prefix_hashes(text: str, block: int, salt: str | None = None) -> list[int]:
     return out
 
 
+def session_key(session: str) -> str:
+    """A client's session id as the router keeps, hashes and forwards it: 32 hex characters whatever the
+    client sent (2 MB, a line break, a NUL, a lone surrogate), so no session costs more than another and none
+    reaches an upstream header as the client wrote it."""
+    return hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+# Measured with tracemalloc (tests/test_router_policy.py): an OrderedDict entry of a 32-character str key and
+# a shared target address, and of an int key. What the maps' byte gauges in /metrics count per entry.
+SESSION_ENTRY_BYTES = 172
+PREFIX_ENTRY_BYTES = 141
+
+
+class Sessions:
+    """session key -> the target it was last routed to, least recently used dropped first (`max_sessions`):
+    what /admin/state counts per target. Routing itself needs no table (rendezvous hashing)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.map: OrderedDict[str, str] = OrderedDict()
+
+    def record(self, key: str, addr: str) -> None:
+        self.map[key] = addr
+        self.map.move_to_end(key)
+        while len(self.map) > self.capacity:
+            self.map.popitem(last=False)
+
+    def per_target(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for addr in self.map.values():
+            out[addr] = out.get(addr, 0) + 1
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.map) * SESSION_ENTRY_BYTES
+
+
 class PrefixIndex:
     """block hash -> the target last sent a prompt with that prefix; least recently used dropped first."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.map: OrderedDict[int, str] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.map) * PREFIX_ENTRY_BYTES
 
     def longest(self, hashes: list[int], addrs: set[str]) -> tuple[str | None, int]:
         """The target holding the longest prefix among `addrs`, and how many blocks it holds."""

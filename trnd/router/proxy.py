@@ -5,6 +5,13 @@ A request that has not started streaming when its target fails (the connection r
 client it is never retried: a stream whose target dies ends with an error event and `[DONE]`, a
 non-streamed answer with a 502. A client that leaves closes the upstream request at once, so the
 decode server aborts it and frees its pages.
+
+A target that hangs (SIGSTOP, a wedged host) keeps its connections open and sends nothing: its requests
+end once the probes have taken it out and it has sent nothing for HUNG_S, not after request_timeout_s
+(600 s): one still waiting for its answer moves to another target, a started stream ends with an error
+event and `[DONE]`. A draining target (its /ready is 503 too) that still sends is never cut. A request
+the router cannot send as the client wrote it (httpx refuses it before any byte leaves) is the client's
+400 and never counts against the target.
 """
 
 from __future__ import annotations
@@ -24,13 +31,18 @@ from trnd.router.targets import Target
 log = logging.getLogger("trnd.router")
 
 PASS_HEADERS = ("content-type", "cache-control", "retry-after", "x-request-id")
+HUNG_S = 1.0  # an unhealthy target silent this long has its requests ended (the probes found it first)
+
+
+class TargetHung(httpx.TransportError):
+    """The probes took the target out and it sent nothing since: it is not answering this request either."""
 
 
 class Proxied:
     """The ASGI answer to one routed request (returned by the route handler, run by Starlette)."""
 
     def __init__(self, st, path: str, body: bytes, stream: bool, need: int, session: str | None,
-                 hashes: list[int], headers: dict[str, str]):
+                 hashes: list[int], headers: dict[str, str | bytes]):
         self.st, self.path, self.body, self.stream = st, path, body, stream
         self.need, self.session, self.hashes, self.headers = need, session, hashes, headers
 
@@ -55,7 +67,12 @@ class Proxied:
             tried.add(target.addr)
             if attempt:
                 st.count_retry()
-            resp = await self._send_upstream(target, gone)
+            try:
+                resp = await self._send_upstream(target, gone)
+            except (httpx.LocalProtocolError, httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
+                st.metrics.client_errors.inc()  # nothing left the router: not the target's failure
+                return await _error(send, APIError(400, f"The request cannot be forwarded as sent: {e}",
+                                                   code="invalid_request"))
             if resp is None:  # the client left while waiting
                 return
             if isinstance(resp, Exception) or resp.status_code == 503:
@@ -74,7 +91,7 @@ class Proxied:
                             "retrying" if attempt < st.cfg.retries else "giving up")
                 continue
             if self.session:
-                target.sessions.add(self.session)
+                st.sessions.record(self.session, target.addr)
             index.record(self.hashes, target.addr)
             st.count(target, rule)
             return await self._relay(send, gone, target, rule, resp)
@@ -86,17 +103,25 @@ class Proxied:
         req = self.st.client.build_request("POST", f"{target.url}{self.path}", content=self.body, headers=self.headers)
         target.in_flight += 1
         sending = asyncio.ensure_future(self.st.client.send(req, stream=True))
+        since = asyncio.get_running_loop().time()
         try:
-            done, _ = await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if sending not in done:  # the client left first: cancel, the target sees the disconnect
+            while True:
+                done, _ = await asyncio.wait({sending, gone}, timeout=HUNG_S, return_when=asyncio.FIRST_COMPLETED)
+                hung = not done and not target.healthy and asyncio.get_running_loop().time() - since >= HUNG_S
+                if done or hung:
+                    break
+            if sending not in done:  # the client left first, or the target hangs: cancel, it sees the disconnect
                 sending.cancel()
                 with contextlib.suppress(BaseException):
                     r = await sending
                     await r.aclose()
                 target.in_flight -= 1
-                return None
+                return TargetHung(f"{target.addr} taken out and silent") if hung else None
             try:
                 return sending.result()
+            except (httpx.LocalProtocolError, httpx.InvalidURL, httpx.UnsupportedProtocol):
+                target.in_flight -= 1
+                raise
             except httpx.HTTPError as e:
                 target.in_flight -= 1
                 return e
@@ -109,14 +134,22 @@ class Proxied:
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": _headers(resp.headers, target, rule)})
             chunks = resp.aiter_raw().__aiter__()
+            clock = asyncio.get_running_loop().time
             while True:
                 nxt = asyncio.ensure_future(chunks.__anext__())
-                done, _ = await asyncio.wait({nxt, gone}, timeout=self.st.cfg.request_timeout_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                since = clock()
+                while True:  # wake every HUNG_S: a target the probes took out and that stays silent is hung
+                    done, _ = await asyncio.wait({nxt, gone}, timeout=HUNG_S, return_when=asyncio.FIRST_COMPLETED)
+                    silent = clock() - since
+                    if done or silent >= self.st.cfg.request_timeout_s or (not target.healthy and silent >= HUNG_S):
+                        break
                 if nxt not in done:
                     nxt.cancel()
                     if gone in done:
                         return  # the client left: closing the upstream response aborts the request there
+                    if not target.healthy:
+                        raise TargetHung(f"{target.addr} was taken out ({target.error}) and sent nothing for "
+                                         f"{silent:.1f} s")
                     raise httpx.ReadTimeout(f"no byte from {target.addr} for {self.st.cfg.request_timeout_s} s")
                 try:
                     chunk = nxt.result()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -30,7 +30,6 @@ class Target:
     failed_probes: int = 0
     error: str | None = None
     last_ok: float = 0.0
-    sessions: set[str] = field(default_factory=set)  # session ids routed here (for /admin/state, trnd top)
     keyed: bool | None = None  # it asks for an API key (so it salts each tenant's pages by the key: http/tenant.py)
 
     @property
