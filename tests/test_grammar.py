@@ -162,7 +162,7 @@ def test_prefill_first_token_then_decode_continues(tiny_qwen3):
 def test_a_grammar_compiles_once_and_requests_copy_it(grammars):
     """Before: the same large grammar sent twice compiled twice (4.3-5.9 s each). It is kept, compiled, by its
     canonical text; a request's matcher is a copy, so two requests never share a position."""
-    spec = GrammarSpec(kind="json_schema", value=json.dumps(SCHEMA))
+    spec = GrammarSpec(kind="json_schema", value=json.dumps({**SCHEMA, "title": "compiled-once"}))
     assert not grammars.cached(spec)
     assert grammars.check(spec) is None and grammars.cached(spec)
     a, b = grammars.state(spec), grammars.state(GrammarSpec(kind=spec.kind, value=spec.value, after="</think>"))
