@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from trnd_kernels import activation, attention, norm, rotary, sampling
+from trnd_kernels import activation, attention, moe, norm, rotary, sampling
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Ops:
     # A decode-only step's decoder layers in one call (kernels/cpu/csrc/decode_layers.cpp); None: the model loops
     decode_layers: Callable | None = None
     argmax: Callable = sampling.argmax  # greedy sampling's rows' argmax (engine/sampler.py)
+    moe_route: Callable = moe.route  # router logits -> each token's experts and weights (trnd/model/moe.py)
 
 
 TORCH_OPS = Ops(

@@ -69,21 +69,57 @@ def _gather(kv: torch.Tensor, layer: int, pages: torch.Tensor, q: torch.Tensor):
     return g[..., 0, :, :, :], g[..., 1, :, :, :]
 
 
-def decode_attention(q: torch.Tensor, kv: torch.Tensor, layer: int, meta: AttnMeta, scale: float):
-    """q [B, Hq, D] (one new token per sequence, its KV already written) -> [B, Hq, D]."""
+def _with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention where `visible` [B, 1, Lq, S] says which keys each query sees, and each head's softmax has one
+    more logit, its sink, whose value is zero (GPT-OSS): q [B, Hq, Lq, D], k, v [B, Hk, S, D] -> [B, Hq, Lq, D].
+    The sink only scales each row: softmax over keys + sink = softmax over keys x sigmoid(lse - sink)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                          scale=scale)
+    if sinks is None:
+        return out
+    keep = torch.sigmoid(lse - sinks.float()[None, :, None])  # [B, Hq, Lq]
+    return (out.float() * keep[..., None]).to(q.dtype)
+
+
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, layer: int, meta: AttnMeta, scale: float,
+                     sinks: torch.Tensor | None = None, window: int = 0):
+    """q [B, Hq, D] (one new token per sequence, its KV already written) -> [B, Hq, D]. sinks [Hq]: a logit per
+    head joining every softmax (GPT-OSS); window > 0: each token sees only the last `window` positions, itself
+    included (a sliding-window layer)."""
     k, v = _gather(kv, layer, meta.decode_pages, q)  # [B, Hk, S, D]
     s = k.shape[-2]
     mask = torch.arange(s, device=k.device)[None, :] < meta.decode_ctx[:, None]  # [B, S]
+    if sinks is not None or window:
+        if window:
+            mask &= torch.arange(s, device=k.device)[None, :] >= meta.decode_ctx[:, None] - window
+        return _with_sinks(q[:, :, None, :], k, v, mask[:, None, None, :], scale, sinks)[:, :, 0, :]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out[:, :, 0, :]
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: torch.Tensor,
-                      layer: int, seq: PrefillSeq, page_size: int, scale: float):
-    """One chunk: q, k_new, v_new [q_len, H, D]; earlier context is read from the pages -> [q_len, Hq, D]."""
+                      layer: int, seq: PrefillSeq, page_size: int, scale: float, sinks: torch.Tensor | None = None,
+                      window: int = 0):
+    """One chunk: q, k_new, v_new [q_len, H, D]; earlier context is read from the pages -> [q_len, Hq, D].
+    sinks, window: as decode_attention."""
     prior = seq.ctx_len - seq.q_len
     qh = q.transpose(0, 1)[None]
+    if sinks is not None or window:
+        first = max(0, prior - window + 1) if window else 0  # the oldest position any query of the chunk sees
+        n_pages = (prior + page_size - 1) // page_size
+        k_old, v_old = _gather(kv, layer, seq.pages[first // page_size:n_pages], q)  # [Hk, n*P, D]
+        skip = first // page_size * page_size
+        k = torch.cat((k_old[:, first - skip:prior - skip], k_new.transpose(0, 1)), dim=1)
+        v = torch.cat((v_old[:, first - skip:prior - skip], v_new.transpose(0, 1)), dim=1)
+        q_pos = prior + torch.arange(seq.q_len, device=q.device)[:, None]
+        k_pos = first + torch.arange(seq.ctx_len - first, device=q.device)[None, :]
+        visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+        return _with_sinks(qh, k[None], v[None], visible[None, None], scale, sinks)[0].transpose(0, 1)
     if prior == 0:  # nothing cached before this chunk: plain causal attention on the fresh K/V
         out = F.scaled_dot_product_attention(qh, k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None],
                                              is_causal=True, scale=scale, enable_gqa=True)

@@ -130,6 +130,11 @@ def test_models_lists_the_served_model(client, tiny_qwen3):
     assert [m.id for m in models] == [Path(tiny_qwen3).name]
     assert models[0].object == "model"
     assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    from trnd.model.maker import param_count
+
+    cfg = json.loads((Path(tiny_qwen3) / "config.json").read_text())
+    size = models[0].model_extra["parameters"]  # trnd/model/size.py: a dense model's are all active
+    assert size["total_params"] == size["active_params"] == param_count(cfg) and size["weight_bytes"] > 0
 
 
 def test_health_and_ready(server):

@@ -41,7 +41,7 @@ def _hf(d: Path):
 @pytest.mark.parametrize("arch", maker.ARCHS)
 def test_tiny_loads_in_transformers_and_runs_forward(tiny_dirs, arch):
     model, tok, info = _hf(tiny_dirs[arch])
-    assert type(model).__name__ == ("Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM")
+    assert type(model).__name__ == maker.ARCH_CLASSES[arch]
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert model.dtype == torch.bfloat16
     ids = tok(TEXTS[0], return_tensors="pt").input_ids
@@ -49,8 +49,10 @@ def test_tiny_loads_in_transformers_and_runs_forward(tiny_dirs, arch):
         logits = model(ids).logits.float()
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
     assert torch.isfinite(logits).all()
-    # The weights HF uses are the ones on disk.
+    # The weights HF uses are the ones on disk (transformers holds Qwen3-MoE's experts stacked).
     disk = _read_weights(tiny_dirs[arch])
+    if arch == "qwen3_moe":
+        disk = maker.fuse_experts(json.loads((tiny_dirs[arch] / "config.json").read_text()), disk)
     state = model.state_dict()
     for name, w in disk.items():
         assert torch.equal(state[name], w), name
@@ -86,15 +88,20 @@ def test_config_matches_preset(preset, arch):
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size"):
         assert cfg[key] == p[key], key
-    assert cfg["vocab_size"] == (32000 if preset == "small" else 1024)
+    assert cfg["vocab_size"] == (32000 if preset.startswith("small") else 1024)
     assert cfg["vocab_size"] % 64 == 0 and cfg["vocab_size"] >= tok_size
     assert cfg["model_type"] == arch
-    assert cfg["max_position_embeddings"] == 131072 and cfg["rms_norm_eps"] == 1e-6
+    assert cfg["max_position_embeddings"] == 131072 and cfg["rms_norm_eps"] == (1e-5 if arch == "gpt_oss" else 1e-6)
     assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (maker.ENDOFTEXT, maker.IM_END)
-    if arch == "qwen3":
-        assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["tie_word_embeddings"] is True
+    assert cfg["architectures"] == [maker.ARCH_CLASSES[arch]]
+    if arch in ("qwen3", "qwen3_moe"):
+        assert cfg["tie_word_embeddings"] is True
         assert cfg["rope_scaling"] is None
+    elif arch == "gpt_oss":
+        assert cfg["tie_word_embeddings"] is False and cfg["attention_bias"] is True
+        assert cfg["rope_parameters"]["rope_type"] == "yarn"
+        assert cfg["layer_types"][:2] == ["sliding_attention", "full_attention"]
     else:
         assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is False
         assert cfg["rope_theta"] == 500000.0
@@ -111,8 +118,8 @@ def test_files_match_config(tiny_dirs, arch):
     weights = _read_weights(d)
     assert {k: tuple(v.shape) for k, v in weights.items()} == param_shapes(cfg)
     assert all(v.dtype == torch.bfloat16 for v in weights.values())
-    assert ("lm_head.weight" in weights) == (arch == "llama")
-    assert ("model.layers.0.self_attn.q_norm.weight" in weights) == (arch == "qwen3")
+    assert ("lm_head.weight" in weights) == (arch in ("llama", "gpt_oss"))
+    assert ("model.layers.0.self_attn.q_norm.weight" in weights) == (arch in ("qwen3", "qwen3_moe"))
     assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == [maker.IM_END, maker.ENDOFTEXT]
     assert (d / "model.safetensors").is_file() and not (d / "model.safetensors.index.json").exists()
     assert sum(v.numel() for v in weights.values()) == param_count(cfg)

@@ -33,12 +33,12 @@ def test_unsupported_architecture(tiny_qwen3, tmp_path, mode):
     model = tmp_path / "moe"
     shutil.copytree(tiny_qwen3, model)
     cfg = json.loads((model / "config.json").read_text())
-    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    cfg["architectures"] = ["MambaForCausalLM"]
     (model / "config.json").write_text(json.dumps(cfg))
     out = run("serve", *mode, "--model", str(model))
     assert out.returncode == 78 and "Traceback" not in out.stderr
     lines = [ln for ln in out.stderr.splitlines() if "model error" in ln]
-    assert len(lines) == 1 and "'architectures'" in lines[0] and "Qwen3MoeForCausalLM" in lines[0]
+    assert len(lines) == 1 and "'architectures'" in lines[0] and "MambaForCausalLM" in lines[0]
 
 
 # -- every role, every kind of start-up error: one line at error priority naming it, 78 or 1 ----------
@@ -71,7 +71,7 @@ def _table_cases():
     for name in ("prefill", "decode", "serve", "aggregated"):
         argv = role[name]
         cases.append((name, "model path", [a if a != "M" else "NOPE" for a in argv], 78, "nope/config.json"))
-        cases.append((name, "architecture", [a if a != "M" else "MOE" for a in argv], 78, "Qwen3MoeForCausalLM"))
+        cases.append((name, "architecture", [a if a != "M" else "MOE" for a in argv], 78, "MambaForCausalLM"))
         cases.append((name, "point", [*argv, "--point", "9k"], 78, "'9k'"))
         cases.append((name, "backend", [*argv, "--backend", "neuron"], 69, "Neuron"))
     for name in ("prefill", "decode"):
@@ -99,7 +99,7 @@ def test_every_startup_error_is_one_line_at_error_priority(tiny_qwen3, tmp_path,
     if "MOE" in argv:
         shutil.copytree(tiny_qwen3, moe)
         cfg = json.loads((moe / "config.json").read_text())
-        cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+        cfg["architectures"] = ["MambaForCausalLM"]
         (moe / "config.json").write_text(json.dumps(cfg))
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)

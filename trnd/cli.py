@@ -208,8 +208,14 @@ def _model_parser(sub) -> None:
     msub = p.add_subparsers(dest="model_cmd", required=True)
     i = msub.add_parser("init", help="write a random-weight Hugging Face-format model with a trained tokenizer")
     i.add_argument("dir", help="output directory")
-    i.add_argument("--preset", choices=["tiny", "small"], default="tiny", help="tiny: tests; small: ~100M, benchmarks")
-    i.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
+    # maker.PRESET_NAMES and maker.ARCHS (not imported here: the maker imports torch; tests/test_maker.py checks)
+    i.add_argument("--preset", choices=["tiny", "small", "tiny-moe", "small-moe", "tiny-gptoss"], default="tiny",
+                   help="tiny: tests; small: ~100M, benchmarks; tiny-moe / small-moe: Qwen3-MoE (small-moe ~380M, "
+                   "~85M active); tiny-gptoss: GPT-OSS")
+    i.add_argument("--arch", choices=["qwen3", "llama", "qwen3_moe", "gpt_oss"],
+                   help="default: the preset's (qwen3 for tiny and small)")
+    i.add_argument("--quant", choices=["fp8", "mxfp4"],
+                   help="fp8: block-scaled FP8 linears (the Qwen3 *-FP8 format); mxfp4: GPT-OSS's MXFP4 experts")
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
 
@@ -446,8 +452,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "model":
             from trnd.model.maker import make_model
 
-            path = make_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype)
-            print(f"trnd: wrote {args.preset} {args.arch} model (seed {args.seed}) to {path}")
+            from trnd.model.maker import preset_arch
+
+            try:
+                path = make_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype,
+                                  quant=args.quant)
+            except ValueError as e:  # a combination the maker does not write: one line, as a config error
+                raise ConfigError(str(e)) from None
+            quant = f", {args.quant} weights" if args.quant else ""
+            print(f"trnd: wrote {args.preset} {preset_arch(args.preset, args.arch)} model (seed {args.seed}{quant}) "
+                  f"to {path}")
             return 0
         if args.cmd == "compile":
             from trnd.roles import compile as compile_role

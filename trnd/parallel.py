@@ -20,6 +20,10 @@ class TPGroup:
     (model/llama.py CausalLM._sampled_only)."""
     rank: int = 0
     size: int = 1
+    # Expert parallelism: the MoE layers' experts in `ep` groups of ranks (ep divides size), each group holding
+    # num_experts / ep whole experts with their intermediate size split over its size / ep ranks (trnd/model/moe.py).
+    # ep = 1: every rank holds every expert, a 1/size slice of each (tensor parallel); ep = size: whole experts.
+    ep: int = 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -43,6 +47,21 @@ class TPGroup:
             raise ValueError(f"{what} = {n} is not divisible by tp = {self.size}")
         per = n // self.size
         return self.rank * per, (self.rank + 1) * per
+
+    def experts(self, n: int) -> tuple[int, int]:
+        """[start, end) of the experts this rank's EP group holds."""
+        if n % self.ep:
+            raise ValueError(f"num_experts = {n} is not divisible by ep = {self.ep}")
+        group = self.rank // (self.size // self.ep)
+        return group * n // self.ep, (group + 1) * n // self.ep
+
+    def expert_rows(self, intermediate: int) -> tuple[int, int]:
+        """[start, end) of each held expert's intermediate rows on this rank (its share within the EP group)."""
+        per_group = self.size // self.ep
+        if intermediate % per_group:
+            raise ValueError(f"moe_intermediate_size = {intermediate} is not divisible by tp / ep = {per_group}")
+        r = self.rank % per_group
+        return r * intermediate // per_group, (r + 1) * intermediate // per_group
 
     def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
         """This rank's KV heads. With more ranks than KV heads each head is replicated on

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype)[0] or "the checkpoint's"
     print(f"model {model}, dtype {dtype}, kv_cache_dtype {args.kv_cache_dtype}, tp {args.tp}, kv_memory_gb {args.kv_memory_gb} per rank; this machine: "
           f"{os.cpu_count()} cores, {_mem_gib('MemTotal'):.1f} GiB RAM, {_mem_gib('MemAvailable'):.1f} GiB available")
+    from trnd.model.config import ModelConfig
+    from trnd.model.size import model_size
+
+    print(f"weights: {ModelConfig.from_dir(model).arch}, {model_size(model).line()} (split over the ranks)")
     print(f"{'point':<6}{'context':>9}{'batch':>6}{'page':>5}{'KV B/tok':>9}{'1 seq GiB':>10}{'batch GiB':>10}"
           f"{'pool tok':>10}{'full seqs':>10}  status")
     for r in rows(model, args.dtype, args.tp, args.kv_memory_gb, args.kv_cache_dtype):

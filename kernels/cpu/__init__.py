@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from trnd_kernels import TORCH_OPS, Ops, activation, attention, norm, rotary, sampling
+from trnd_kernels import TORCH_OPS, Ops, activation, attention, moe, norm, rotary, sampling
 from trnd_kernels.cpuinfo import LEVELS, CpuInfo, cpu_info, hardware_isa
 
 log = logging.getLogger("trnd.kernels")
@@ -149,6 +149,15 @@ def _register_fakes(name: str) -> None:
             lambda q, kv, layer, pages, prior, scale: q.new_empty(q.shape))
     if hasattr(getattr(torch.ops, name), "argmax_rows"):  # nor one older than the argmax
         torch.library.register_fake(f"{name}::argmax_rows")(lambda x: x.new_empty((x.shape[0],), dtype=torch.long))
+    if hasattr(getattr(torch.ops, name), "moe_route"):  # nor one older than csrc/moe.cpp
+        torch.library.register_fake(f"{name}::moe_route")(
+            lambda logits, k, softmax_first, renormalize: (logits.new_empty((logits.shape[0], k), dtype=torch.int32),
+                                                           logits.new_empty((logits.shape[0], k), dtype=torch.float32)))
+        torch.library.register_fake(f"{name}::moe_experts")(
+            lambda x, ids, weights, w13, s13, w2, s2, b13, b2, first, inter, fmt, group, act, alpha, limit:
+            x.new_empty(x.shape))
+        torch.library.register_fake(f"{name}::qlinear")(
+            lambda x, packed, scales, n, fmt, group: x.new_empty((x.shape[0], n)))
     torch.library.register_fake(f"{name}::qk_norm_rotary")(
         lambda q, k, qw, kw, eps, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
 
@@ -162,6 +171,7 @@ class CompiledOps:
         self.f32_tiles = hasattr(lib, "prefill_attention_f32")
         self.name = lib.__name__.removeprefix("torch.ops.")  # trnd_avx2 | trnd_avx512
         self.avx2 = self.name == "trnd_avx2"
+        self.moe = hasattr(lib, "moe_route")  # a build older than csrc/moe.cpp has none
 
     def _dpbf16(self, kv: torch.Tensor) -> bool:
         """The attention kernels dot bf16 pages with dpbf16 (where the CPU has it)."""
@@ -213,6 +223,13 @@ class CompiledOps:
             return activation.silu_and_mul(gate_up)
         return self.lib.silu_and_mul(gate_up)
 
+    def moe_route(self, logits, top_k, router, renormalize):
+        """Top k and gating in one pass over each token's router logits (csrc/moe.cpp)."""
+        if not (self.moe and logits.device.type == "cpu" and logits.dim() == 2 and logits.is_contiguous()
+                and logits.dtype in (torch.float32, torch.bfloat16) and logits.shape[1] <= 1024):
+            return moe.route(logits, top_k, router, renormalize)
+        return self.lib.moe_route(logits, top_k, router == "softmax_topk", renormalize)
+
     def argmax(self, logits):
         if not (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16)
                 and logits.shape[1] > 0 and logits.stride(1) == 1):
@@ -224,9 +241,9 @@ class CompiledOps:
             return attention.write_kv(kv, layer, k, v, meta)
         self.lib.write_kv(kv, layer, k, v, meta.page_ids, meta.offsets)
 
-    def decode_attention(self, q, kv, layer, meta, scale):
-        if not self.takes(q, kv):
-            return attention.decode_attention(q, kv, layer, meta, scale)
+    def decode_attention(self, q, kv, layer, meta, scale, sinks=None, window=0):
+        if sinks is not None or window or not self.takes(q, kv):  # the kernels have no sinks nor windows yet
+            return attention.decode_attention(q, kv, layer, meta, scale, sinks, window)
         return self.lib.decode_attention(q, kv, layer, meta.decode_pages, meta.decode_ctx, scale, 0,
                                          self._dpbf16(kv))
 
@@ -254,11 +271,14 @@ class CompiledOps:
         one of a short context."""
         return seq.q_len <= PREFILL_MAX_Q or (self._dpbf16(kv) and seq.ctx_len <= ROWS_MAX_CTX)
 
-    def prefill_attention(self, q, k_new, v_new, kv, layer, seq, page_size, scale):
+    def prefill_attention(self, q, k_new, v_new, kv, layer, seq, page_size, scale, sinks=None, window=0):
         """A chunk after its K/V are in the pages (the model writes before it attends): a longer one on AMX
         tiles where the CPU has them, else on dpbf16 tiles where it has avx512_bf16, or on fp32 tiles from an
         fp32 pool; a short one, or one of a short context on a bf16 pool (dpbf16), as decode rows (query i of
-        the chunk attends the sequence's pages up to its own position); else torch's flash kernel."""
+        the chunk attends the sequence's pages up to its own position); else torch's flash kernel. Sinks and
+        sliding windows (GPT-OSS) take the torch reference."""
+        if sinks is not None or window:
+            return attention.prefill_attention(q, k_new, v_new, kv, layer, seq, page_size, scale, sinks, window)
         if seq.q_len > PREFILL_MAX_Q and self.takes_amx(q, kv, seq):
             return self.lib.prefill_attention_amx(q, kv, layer, seq.pages, seq.ctx_len - seq.q_len, scale)
         if seq.q_len > PREFILL_MAX_Q and self.takes_tiles(q, kv, seq):
@@ -314,7 +334,7 @@ def ops_table(c: CompiledOps) -> Ops:
                    silu_and_mul=c.silu_and_mul, qk_norm_rotary=c.qk_norm_rotary, write_kv=c.write_kv,
                    decode_attention=c.decode_attention, prefill_attention=c.prefill_attention,
                    decode_layers=c.decode_layers if hasattr(c.lib, "decode_layers") else None,
-                   argmax=c.argmax if hasattr(c.lib, "argmax_rows") else sampling.argmax)
+                   argmax=c.argmax if hasattr(c.lib, "argmax_rows") else sampling.argmax, moe_route=c.moe_route)
 
 
 def _turned_off() -> bool:

@@ -35,7 +35,7 @@ VARIANTS = {
     "trnd_avx2": ["-mavx2", "-mfma", "-mf16c"],
     "trnd_avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
-SOURCES = ("attention.cpp", "decode_layers.cpp", "elementwise.cpp", "linear.cpp", "linear_f32.cpp",
+SOURCES = ("attention.cpp", "decode_layers.cpp", "elementwise.cpp", "linear.cpp", "linear_f32.cpp", "moe.cpp",
            "prefill_amx.cpp", "prefill_dpbf16.cpp", "prefill_f32.cpp")
 # name -> the kernels/cpuinfo.py level a CPU needs to run it
 REQUIRES = {"trnd_avx2": "avx2", "trnd_avx512": "avx512"}

@@ -307,6 +307,9 @@ class ModelCard(msgspec.Struct, omit_defaults=True):
     point: str | None = None  # a disaggregated role's decode point, and what its pool really holds under it
     capacity: dict | None = None  # as /admin/state `capacity` (trnd/points.py: Capacity)
     static: bool | None = None  # steps padded to the point's buckets (engine/static.py)
+    # total and active parameters (a MoE reads top_k of its experts a token) and the weights' bytes as stored
+    # (trnd/model/size.py)
+    parameters: dict | None = None
 
 
 class ModelList(msgspec.Struct):

@@ -36,6 +36,7 @@ from trnd.config import ServeConfig
 from trnd.engine.engine import LengthError
 from trnd.engine.loop import DeadlineExceeded, EngineLoop, QueueFull, Unavailable
 from trnd.engine.output import StepOutput, TokenLogprob
+from trnd.model.size import model_size
 from trnd.http.app import json_response, read_body, state_of
 from trnd.http.errors import APIError, error_bytes
 from trnd.http.tenant import bearer, tenant_salt
@@ -386,5 +387,6 @@ async def models(request: Request) -> Response:
     extra = st.state_extra() if st.state_extra is not None else {}
     cap = extra.get("capacity")
     card = P.ModelCard(st.model_name, "model", int(st.started), "trnd", engine.max_model_len, extra.get("point"),
-                       msgspec.structs.asdict(cap) if cap is not None else None, True if engine.cfg.static else None)
+                       msgspec.structs.asdict(cap) if cap is not None else None, True if engine.cfg.static else None,
+                       msgspec.structs.asdict(model_size(engine.cfg.model)))
     return json_response(P.ModelList("list", [card]))

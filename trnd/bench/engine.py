@@ -169,12 +169,16 @@ def _best(runs: list[dict]) -> dict:
 
 def weight_bytes(model_dir: str, dtype: str | None = None) -> int:
     """Bytes one decode step reads at least: every weight once, in the dtype it is loaded in or the checkpoint's where
-    that is narrower (the compiled fp32 linears keep a bf16 checkpoint's weights at 2 bytes: csrc/linear_f32.cpp)."""
+    that is narrower (the compiled fp32 linears keep a bf16 checkpoint's weights at 2 bytes: csrc/linear_f32.cpp;
+    FP8 and MXFP4 codes stay a byte and half a byte), and of a MoE's experts the top_k of num_experts a token is
+    routed to (its active weights: at batch 1 the kernels read no other expert, csrc/moe.cpp)."""
     from safetensors import safe_open
 
+    from trnd.model.config import ModelConfig
     from trnd.model.loader import _weight_files
 
-    total = 0
+    moe = ModelConfig.from_dir(model_dir).moe
+    total = 0.0
     for f in set(_weight_files(__import__("pathlib").Path(model_dir)).values()):
         with safe_open(f, framework="pt") as h:
             for k in h.keys():
@@ -182,9 +186,11 @@ def weight_bytes(model_dir: str, dtype: str | None = None) -> int:
                 n = 1
                 for d in sl.get_shape():
                     n *= d
-                size = 2 if sl.get_dtype() in ("BF16", "F16") else 4
-                total += n * min(size, {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype or "", size))
-    return total
+                stored = {"BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1}.get(sl.get_dtype(), 4)
+                size = min(stored, {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype or "", stored))
+                share = moe.top_k / moe.num_experts if moe is not None and ".mlp.experts." in k else 1.0
+                total += n * size * share
+    return int(total)
 
 
 def main(args) -> int:

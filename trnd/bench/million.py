@@ -76,7 +76,7 @@ def role_pids(root: int) -> dict[str, int]:
                 for k in kids:
                     cmd = Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")
                     for role in (b"prefill", b"decode", b"store"):
-                        if role in cmd[:4]:
+                        if role in cmd[:6]:  # python [-P] -m trnd ROLE
                             out[role.decode()] = k
         except OSError:
             continue
@@ -100,6 +100,8 @@ def stream(client: httpx.Client, url: str, prompt: list[int], n: int) -> dict:
                 lp = c.get("logprobs") or {}
                 tokens += lp.get("tokens") or []
                 stamps.append(time.perf_counter() - t0)
+    if not stamps:
+        raise SystemExit("the request streamed no token (see the servers' log)")
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
     return {"id": rid, "ttft_s": stamps[0], "e2e_s": stamps[-1], "tokens": tokens,
             "decode_step_ms_p50": sorted(steps)[len(steps) // 2] * 1e3 if steps else None}
@@ -136,7 +138,7 @@ def main(args) -> int:
             rows["first"] = first = stream(client, url, prompt, args.decode_tokens)
             rows["first"]["memory"] = memory(pids)
             rows["first"]["traces"] = traces(client, url, purl, first["id"])
-            print(f"1. prefill + handoff + decode: {summary(first)}", flush=True)
+            print(f"1. prefill + handoff + decode: {summary(first)}", *phases(first), sep="\n   ", flush=True)
             t = time.perf_counter()
             ev = client.post(url + "/admin/evict", timeout=600).json()
             rows["evict"] = {"s": time.perf_counter() - t, **ev, "memory": memory(pids)}
@@ -144,11 +146,11 @@ def main(args) -> int:
             rows["again"] = again = stream(client, url, prompt, args.decode_tokens)
             rows["again"]["memory"] = memory(pids)
             rows["again"]["traces"] = traces(client, url, purl, again["id"])
-            print(f"3. again, from L2: {summary(again)}", flush=True)
+            print(f"3. again, from L2: {summary(again)}", *phases(again), sep="\n   ", flush=True)
             if again["tokens"] != first["tokens"]:
                 raise SystemExit("the reloaded request's tokens differ from the first's")
-            rows["state"] = {"decode": client.get(url + "/admin/state").json().get("integrity"),
-                             "prefill": client.get(purl + "/admin/state").json().get("integrity")}
+            rows["state"] = {"decode": integrity_after(client, url, time.time()),
+                             "prefill": integrity_after(client, purl, time.time())}
             print(f"pages: {rows['state']}", flush=True)
     finally:
         proc.terminate()
@@ -179,11 +181,36 @@ def floor(model: Path, context: int, step_ms: float) -> dict:
             "floor_ms": round(floor_ms, 2), "step_ms": round(step_ms, 2), "ratio": round(step_ms / floor_ms, 2)}
 
 
+def integrity_after(client: httpx.Client, base: str, since: float, timeout: float = 30.0) -> dict | None:
+    """The role's page check (engine/state.py: run when idle, at most every 10 s) once it ran after `since`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = client.get(base + "/admin/state").json().get("integrity") or {}
+        if (got.get("at") or 0) > since or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
+
+
 def traces(client: httpx.Client, url: str, purl: str, rid: str | None) -> dict:
     out = {}
     for name, base in (("decode", url), ("prefill", purl)):
         r = client.get(f"{base}/admin/requests/{rid}")
         out[name] = r.json() if r.status_code == 200 else None
+    return out
+
+
+def phases(r: dict) -> list[str]:
+    """Each role's request timeline relative to the decode server's arrival, the per-write lines folded."""
+    out, t0 = [], None
+    for role in ("decode", "prefill"):
+        got = (r.get("traces") or {}).get(role) or {}
+        for tr in got.get("traces") or []:
+            t0 = t0 if t0 is not None else tr["phases"][0]["t"]
+            writes = [p for p in tr["phases"] if p["what"].startswith("KV write")]
+            for p in tr["phases"]:
+                if p in writes[1:-1]:
+                    continue
+                out.append(f"{role} +{p['t'] - t0:.3f} s: {p['what']}")
     return out
 
 

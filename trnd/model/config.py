@@ -9,12 +9,46 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+ROPE_TYPES = ("default", "llama3", "yarn")
+QUANT_METHODS = ("fp8", "mxfp4")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 class ModelError(ValueError):
     """A model directory that cannot be served; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MoE block's shape and routing (trnd/model/moe.py; kernels/moe.py is the reference).
+
+    router "softmax_topk": softmax over every expert, the top k, renormalized to sum 1 where norm_topk_prob
+    (Qwen3-MoE, Mixtral); "topk_softmax": the top k logits, softmax over those k (GPT-OSS). activation "silu":
+    silu(gate) * up; "swiglu_oai": GPT-OSS's clamped (up + 1) * gate * sigmoid(alpha * gate)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+    bias: bool = False  # a bias on the router and on each expert's projections (GPT-OSS)
+    dense_layers: frozenset[int] = frozenset()  # layers with a dense MLP instead (Qwen3-MoE's mlp_only_layers)
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's quantized weights (config.json's quantization_config), read as stored: "fp8" is block-scaled
+    float8_e4m3fn (`X.weight` with `X.weight_scale_inv`, one fp32 scale per weight_block_size block: the Qwen3
+    *-FP8 and DeepSeek-V3 format); "mxfp4" is OCP MXFP4 experts (`X_blocks` of two e2m1 codes a byte and `X_scales`
+    of one e8m0 exponent per 32 values along K: GPT-OSS). Which tensors are quantized is read from the files."""
+    method: str
+    block: tuple[int, int] = (128, 128)  # fp8: rows x columns that share one scale
 
 
 @dataclass
@@ -36,10 +70,22 @@ class ModelConfig:
     attention_bias: bool
     dtype: torch.dtype
     raw: dict = field(repr=False, default_factory=dict)
+    moe: MoeConfig | None = None
+    quant: QuantConfig | None = None
+    # GPT-OSS: a learned logit per attention head that joins every softmax (attention sinks), and layers that
+    # attend only to the last `sliding_window` positions (window_layers; the others see the whole context).
+    attn_sinks: bool = False
+    sliding_window: int = 0
+    window_layers: frozenset[int] = frozenset()
 
     @property
     def model_type(self) -> str:
-        return "qwen3" if self.qk_norm else "llama"
+        return {"Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss"}.get(
+            self.arch, "qwen3" if self.qk_norm else "llama")
+
+    def window(self, layer: int) -> int:
+        """How many positions back layer `layer` attends (0: all)."""
+        return self.sliding_window if layer in self.window_layers else 0
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype: str | None = None) -> "ModelConfig":
@@ -80,14 +126,29 @@ class ModelConfig:
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "default"):
+            if kind not in ROPE_TYPES:
                 raise ModelError(f"{path}: field 'rope_scaling.rope_type' = {kind!r} is not supported "
-                                 "(supported: llama3, default)")
+                                 f"(supported: {', '.join(ROPE_TYPES)})")
+            if kind == "yarn" and not scaling.get("factor"):
+                raise ModelError(f"{path}: field 'rope_scaling.factor' is missing (YaRN needs it)")
+            if kind != "default" and "original_max_position_embeddings" not in scaling:
+                # transformers fills it from max_position_embeddings (standardize_rope_params)
+                scaling = dict(scaling, original_max_position_embeddings=int(raw.get("max_position_embeddings", 4096)))
+        moe = _moe_config(path, raw, arch, need)
+        gpt_oss = arch == "GptOssForCausalLM"
+        window, window_layers = 0, frozenset()
+        if gpt_oss or raw.get("use_sliding_window"):
+            window = int(raw.get("sliding_window") or 0)
+            types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                               for i in range(need("num_hidden_layers"))]
+            window_layers = frozenset(i for i, t in enumerate(types) if t == "sliding_attention") if window else frozenset()
+            if arch == "Qwen3MoeForCausalLM" or arch == "Qwen3ForCausalLM":
+                raise ModelError(f"{path}: field 'use_sliding_window' = true is not supported for {arch}")
         return cls(
             arch=arch,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
+            intermediate_size=int(raw.get("intermediate_size") or 0) if gpt_oss else need("intermediate_size"),
             num_layers=need("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -97,10 +158,15 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            attention_bias=bool(raw.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            attention_bias=bool(raw.get("attention_bias", gpt_oss)),
             dtype=_DTYPES[dtype_name],
             raw=raw,
+            moe=moe,
+            quant=_quant_config(path, raw),
+            attn_sinks=gpt_oss,
+            sliding_window=window,
+            window_layers=window_layers,
         )
 
 
@@ -127,6 +193,50 @@ def weights_identity(model_dir: Path) -> str:
                 fh.seek(size * i // WEIGHT_SAMPLES)
                 h.update(fh.read(WEIGHT_SAMPLE_BYTES))
     return h.hexdigest()[:16] if files else "no-weights"
+
+
+def _moe_config(path: Path, raw: dict, arch: str, need) -> MoeConfig | None:
+    """The sparse blocks of a Qwen3-MoE or GPT-OSS config.json (None for a dense architecture)."""
+    if arch not in ("Qwen3MoeForCausalLM", "GptOssForCausalLM"):
+        return None
+    # transformers 5 writes num_local_experts where Qwen's own configs say num_experts
+    key = "num_experts" if "num_experts" in raw else "num_local_experts"
+    experts, top_k = need(key), need("num_experts_per_tok")
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ModelError(f"{path}: field 'num_experts_per_tok' = {top_k} is not between 1 and {key} = {experts}")
+    if arch == "GptOssForCausalLM":
+        return MoeConfig(experts, top_k, need("intermediate_size"), router="topk_softmax", norm_topk_prob=False,
+                         activation="swiglu_oai", alpha=float(raw.get("swiglu_alpha", 1.702)),
+                         limit=float(raw.get("swiglu_limit", 7.0)), bias=True)
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelError(f"{path}: field 'hidden_act' = {raw['hidden_act']!r} is not supported (supported: silu)")
+    layers, step = need("num_hidden_layers"), int(raw.get("decoder_sparse_step") or 1)
+    only = set(raw.get("mlp_only_layers") or [])
+    dense = frozenset(i for i in range(layers) if i in only or (i + 1) % step != 0)
+    return MoeConfig(experts, top_k, need("moe_intermediate_size"), norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                     dense_layers=dense)
+
+
+def _quant_config(path: Path, raw: dict) -> QuantConfig | None:
+    q = raw.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method not in QUANT_METHODS:
+        raise ModelError(f"{path}: field 'quantization_config.quant_method' = {method!r} is not supported "
+                         f"(supported: {', '.join(QUANT_METHODS)})")
+    if method == "mxfp4":
+        return QuantConfig("mxfp4")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ModelError(f"{path}: field 'quantization_config.activation_scheme' = {q['activation_scheme']!r} is not "
+                         "supported (supported: dynamic: the activations stay unquantized)")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ModelError(f"{path}: field 'quantization_config.fmt' = {q['fmt']!r} is not supported (supported: e4m3)")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelError(f"{path}: field 'quantization_config.weight_block_size' = {block!r} is not two positive "
+                         "integers (per-tensor fp8 scales are not supported)")
+    return QuantConfig("fp8", (block[0], block[1]))
 
 
 def fingerprint(model_dir: Path) -> str:

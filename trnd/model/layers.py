@@ -10,8 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trnd_kernels import quant
 from trnd_kernels.cpu import LINEAR_AMX_MIN_ROWS, linear_amx, linear_f32_lib, linear_lib
+from trnd_kernels.cpu.moe import PackedQLinear, moe_lib, pack_qlinear
 from trnd_kernels.cpuinfo import onednn_bf16_prepack, onednn_fp32_prepack
+from trnd.model.config import ModelError
 from trnd.parallel import TPGroup
 
 
@@ -21,10 +24,27 @@ class Source:
     dim: int | None = None  # None: the whole tensor; else slice [start, end) along dim
     start: int = 0
     end: int = 0
+    expert: int | None = None  # a stacked-experts tensor [E, ...]: expert `expert`'s, and dim counts from after E
+    transpose: bool = False  # stored [in, out] (GPT-OSS's experts): read, then transposed to [out, in]
+    # A block-scale tensor (fp8's weight_scale_inv, one scale per [bn, bk] block of its weight): each row's scales,
+    # the rows expanded from the blocks', then [start, end) of the weight's rows (dim 0) or of its columns (dim 1,
+    # starting on a block: the scales' columns stay one per bk of K). See kernels/quant.py.
+    block: tuple[int, int] | None = None
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+def param(*shape: int, dtype: torch.dtype, sources: list[Source], stacked: bool = False) -> nn.Parameter:
+    """A parameter the loader fills from `sources`, concatenated along dim 0 (stacked: the parts are its experts,
+    concatenated then viewed as its shape)."""
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    p.sources = sources
+    p.stacked = stacked or len(shape) == 3 or any(s.expert is not None for s in sources)
+    return p
+
+
+def fp8_block(cfg, names, weight: str) -> tuple[int, int] | None:
+    """The fp8 weight_block_size where `weight` is stored block-scaled fp8 (its weight_scale_inv is beside it)."""
+    q = cfg.quant
+    return q.block if q is not None and q.method == "fp8" and weight + "_scale_inv" in names else None
 
 
 def _can_prepack(w: torch.Tensor) -> bool:
@@ -84,8 +104,13 @@ def _bf16_valued(w: torch.Tensor) -> bool:
     return torch.equal(w, w.to(torch.bfloat16).float())
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | PackedLinear | None,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor | quant.QWeight | None,
+            packed: torch.Tensor | PackedLinear | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(packed, PackedQLinear):
+        y = packed(x)
+        return y if bias is None else y.add_(bias)
+    if isinstance(weight, quant.QWeight):
+        return quant.linear(x, weight, bias)
     if isinstance(packed, PackedLinear):
         rows = x.reshape(-1, x.shape[-1])
         op = packed.amx if packed.amx is not None and rows.shape[0] >= LINEAR_AMX_MIN_ROWS else packed.linear
@@ -102,31 +127,58 @@ class Linear(nn.Module):
     W holds this rank's input columns and the partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, sources: list[Source], dtype: torch.dtype,
-                 tp: TPGroup, reduce: bool = False, bias_sources: list[Source] | None = None):
+                 tp: TPGroup, reduce: bool = False, bias_sources: list[Source] | None = None,
+                 fp8: tuple[int, int] | None = None):
+        """fp8: the checkpoint's weight_block_size where its weights are block-scaled fp8 (fp8_block): held as stored,
+        codes and scales (kernels/quant.py), multiplied by the compiled kernels without a dequantized copy."""
         super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-        self.weight.sources = sources
+        self.weight_scale = None
+        if fp8 is not None:
+            bn, bk = fp8
+            for s in sources:
+                if s.dim == 1 and s.start % bk:
+                    raise ModelError(f"tensor '{s.name}': this rank's columns {s.start}:{s.end} split a "
+                                     f"weight_block_size column block of {bk} (pick a tp that keeps them whole)")
+            self.weight = param(out_features, in_features, dtype=torch.float8_e4m3fn, sources=sources)
+            self.weight_scale = param(out_features, -(-in_features // bk), dtype=torch.float32, sources=[
+                Source(s.name + "_scale_inv", s.dim, s.start, s.end, block=fp8) for s in sources])
+            self.group = bk
+        else:
+            self.weight = param(out_features, in_features, dtype=dtype, sources=sources)
         self.bias = None
         if bias_sources:
-            self.bias = _param(out_features, dtype=dtype)
-            self.bias.sources = bias_sources
+            self.bias = param(out_features, dtype=dtype, sources=bias_sources)
         self.reduce = reduce
         self.tp = tp
         self.packed: torch.Tensor | PackedLinear | None = None
 
     def prepack(self) -> bool:
-        """Replace the weight by its packed form (on CPU, where _can_prepack says); the plain weight is freed."""
-        if self.packed is not None or not _can_prepack(self.weight):
+        """Replace the weight by its packed form (on CPU, where _can_prepack says; a quantized one where the
+        compiled kernels run: kernels/cpu/moe.py); the plain weight is freed."""
+        if self.packed is not None:
+            return False
+        if self.weight_scale is not None:
+            if self.weight.device.type != "cpu" or (lib := moe_lib()) is None:
+                return False
+            self.packed = pack_qlinear(lib, self._weight())
+            self.weight = self.weight_scale = None
+            return True
+        if not _can_prepack(self.weight):
             return False
         self.packed = _prepacked(self.weight)
         self.weight = None
         return True
 
+    def _weight(self) -> torch.Tensor | quant.QWeight | None:
+        if self.weight_scale is not None:  # fp8 codes and scales (kernels/quant.py)
+            return quant.QWeight("fp8", self.weight, self.weight_scale, self.group, self.weight.shape[1])
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce:  # row-parallel: add the bias once, after the reduction
-            y = self.tp.all_reduce(_linear(x, self.weight, self.packed))
+            y = self.tp.all_reduce(_linear(x, self._weight(), self.packed))
             return y if self.bias is None else y + self.bias
-        return _linear(x, self.weight, self.packed, self.bias)
+        return _linear(x, self._weight(), self.packed, self.bias)
 
 
 def column_sources(name: str, start: int, end: int) -> list[Source]:
@@ -136,8 +188,7 @@ def column_sources(name: str, start: int, end: int) -> list[Source]:
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, name: str, dtype: torch.dtype, ops):
         super().__init__()
-        self.weight = _param(dim, dtype=dtype)
-        self.weight.sources = [Source(name)]
+        self.weight = param(dim, dtype=dtype, sources=[Source(name)])
         self.eps = eps
         self.ops = ops
 
@@ -152,8 +203,7 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         per = -(-vocab // tp.size)
         self.start, self.end = tp.rank * per, min((tp.rank + 1) * per, vocab)
-        self.weight = _param(per, dim, dtype=dtype)
-        self.weight.sources = [Source(name, 0, self.start, self.end)]
+        self.weight = param(per, dim, dtype=dtype, sources=[Source(name, 0, self.start, self.end)])
         self.tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -174,8 +224,8 @@ class LMHead(nn.Module):
         per = -(-vocab // tp.size)
         start, end = tp.rank * per, min((tp.rank + 1) * per, vocab)
         self.vocab = vocab
-        self.weight = _param(per, dim, dtype=dtype)
-        self.weight.sources = [Source(name, 0, start, end)]
+        self.weight = param(per, dim, dtype=dtype, sources=[Source(name, 0, start, end)])
+        self.weight_scale = None  # not quantized (Linear.prepack reads it)
         self.tp = tp
         self.packed: torch.Tensor | PackedLinear | None = None
 
@@ -184,8 +234,3 @@ class LMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = _linear(x, self.weight, self.packed)
         return self.tp.all_gather_last(logits)[:, : self.vocab]
-
-
-def prepack_linears(model: nn.Module) -> int:
-    """Prepack every linear and the LM head of a loaded model (eager CPU path); returns how many."""
-    return sum(m.prepack() for m in model.modules() if isinstance(m, (Linear, LMHead)))

@@ -1,6 +1,9 @@
-"""Llama and Qwen3 decoder (GQA, RoPE with Llama-3 scaling, RMSNorm, SwiGLU, optional q/k norm).
+"""Llama, Qwen3, Qwen3-MoE and GPT-OSS decoder (GQA, RoPE with Llama-3 or YaRN scaling, RMSNorm, SwiGLU or
+sparse MoE blocks, optional q/k norm, attention sinks and sliding-window layers).
 
-One class serves both: Qwen3 differs only by per-head RMSNorm on q and k before RoPE.
+One class serves all four: Qwen3 adds per-head RMSNorm on q and k before RoPE; Qwen3-MoE puts a sparse MoE block
+(trnd/model/moe.py) in place of the MLP of its sparse layers; GPT-OSS has biases on the attention's projections,
+a learned sink logit per head and every other layer attending a sliding window (its pages are all kept for now).
 The forward takes a flat batch of tokens from many sequences (decode tokens first, then prefill
 chunks) and a paged KV pool; it returns logits only for the rows the caller will sample from.
 """
@@ -17,16 +20,17 @@ from torch import nn
 from trnd_kernels import Ops, fp8
 from trnd_kernels.attention import AttnMeta, PrefillSeq, chunk_attention
 from trnd_kernels.cpu import LINEAR_AMX_MIN_ROWS, MAX_PAGE
-from trnd_kernels.rotary import cos_sin, inv_freq
+from trnd_kernels.rotary import attention_factor, cos_sin, inv_freq
 from trnd.model.config import ModelConfig
-from trnd.model.layers import LMHead, Linear, PackedLinear, RMSNorm, Source, VocabEmbedding
+from trnd.model.layers import LMHead, Linear, PackedLinear, RMSNorm, Source, VocabEmbedding, fp8_block, param
+from trnd.model.moe import SparseMoE
 from trnd.parallel import TPGroup
 
 log = logging.getLogger("trnd.model")
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops, names=frozenset()):
         super().__init__()
         hd, dt = cfg.head_dim, cfg.dtype
         q0, q1 = tp.split(cfg.num_heads, "num_attention_heads")
@@ -42,9 +46,15 @@ class Attention(nn.Module):
                     Source(p + "v_proj." + suffix, 0, k0 * hd, k1 * hd)]
 
         self.qkv = Linear(cfg.hidden_size, (self.nq + 2 * self.nk) * hd, qkv_sources("weight"), dt, tp,
-                          bias_sources=qkv_sources("bias") if cfg.attention_bias else None)
+                          bias_sources=qkv_sources("bias") if cfg.attention_bias else None,
+                          fp8=fp8_block(cfg, names, p + "q_proj.weight"))
         self.o = Linear(self.nq * hd, cfg.hidden_size, [Source(p + "o_proj.weight", 1, q0 * hd, q1 * hd)], dt, tp,
-                        reduce=True)
+                        reduce=True, bias_sources=[Source(p + "o_proj.bias")] if cfg.attention_bias else None,
+                        fp8=fp8_block(cfg, names, p + "o_proj.weight"))
+        self.sinks = param(self.nq, dtype=dt, sources=[Source(p + "sinks", 0, q0, q1)]) if cfg.attn_sinks else None
+        self.window = cfg.window(layer)
+        # only where set, so a backend whose attention ops take neither never sees them
+        self.extra = {} if self.sinks is None and not self.window else {"sinks": self.sinks, "window": self.window}
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, p + "q_norm.weight", dt, ops)
@@ -71,34 +81,37 @@ class Attention(nn.Module):
             kept = (s for s in meta.prefill if s.q_start + s.q_len - 1 in wanted)
             meta = replace(meta, prefill=[PrefillSeq(nd + i, 1, s.ctx_len, s.pages) for i, s in enumerate(kept)])
             q, k, v, t = q[keep], k[keep], v[keep], len(keep)
+        extra = self.extra
         if meta.chunk_pages is not None:  # static path: one padded chunk (see chunk_attention)
             out = chunk_attention(q, kv, self.layer, meta.chunk_pages, meta.chunk_pos, self.scale)
         elif nd == t:
-            out = self.ops.decode_attention(q, kv, self.layer, meta, self.scale)
+            out = self.ops.decode_attention(q, kv, self.layer, meta, self.scale, **extra)
         elif nd == 0 and len(meta.prefill) == 1 and meta.prefill[0].q_len == t:  # one chunk alone: no copy
             s = meta.prefill[0]
-            out = self.ops.prefill_attention(q, k, v, kv, self.layer, s, fp8.page_size_of(kv, hd), self.scale)
+            out = self.ops.prefill_attention(q, k, v, kv, self.layer, s, fp8.page_size_of(kv, hd), self.scale,
+                                             **extra)
         else:
             out = torch.empty_like(q)
             if nd:
-                out[:nd] = self.ops.decode_attention(q[:nd], kv, self.layer, meta, self.scale)
+                out[:nd] = self.ops.decode_attention(q[:nd], kv, self.layer, meta, self.scale, **extra)
             page_size = fp8.page_size_of(kv, hd)
             for s in meta.prefill:
                 sl = slice(s.q_start, s.q_start + s.q_len)
-                out[sl] = self.ops.prefill_attention(q[sl], k[sl], v[sl], kv, self.layer, s, page_size, self.scale)
+                out[sl] = self.ops.prefill_attention(q[sl], k[sl], v[sl], kv, self.layer, s, page_size, self.scale,
+                                                     **extra)
         return self.o(out.reshape(t, nq * hd))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops, names=frozenset()):
         super().__init__()
         i0, i1 = tp.split(cfg.intermediate_size, "intermediate_size")
         p = f"model.layers.{layer}.mlp."
         self.gate_up = Linear(cfg.hidden_size, 2 * (i1 - i0),
                               [Source(p + "gate_proj.weight", 0, i0, i1), Source(p + "up_proj.weight", 0, i0, i1)],
-                              cfg.dtype, tp)
+                              cfg.dtype, tp, fp8=fp8_block(cfg, names, p + "gate_proj.weight"))
         self.down = Linear(i1 - i0, cfg.hidden_size, [Source(p + "down_proj.weight", 1, i0, i1)], cfg.dtype, tp,
-                           reduce=True)
+                           reduce=True, fp8=fp8_block(cfg, names, p + "down_proj.weight"))
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,11 +119,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops, names=frozenset()):
         super().__init__()
         p = f"model.layers.{layer}."
-        self.attn = Attention(cfg, layer, tp, ops)
-        self.mlp = MLP(cfg, layer, tp, ops)
+        self.attn = Attention(cfg, layer, tp, ops, names)
+        if cfg.moe is not None and cfg.moe.sparse(layer):
+            self.mlp = SparseMoE(cfg, layer, tp, ops, names)
+        else:
+            self.mlp = MLP(cfg, layer, tp, ops, names)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, p + "input_layernorm.weight", cfg.dtype, ops)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, p + "post_attention_layernorm.weight",
                                  cfg.dtype, ops)
@@ -131,15 +147,17 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, ops: Ops):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, ops: Ops, names=frozenset()):
+        """names: the checkpoint's tensor names (which layout its experts are in, which weights are fp8)."""
         super().__init__()
         self.cfg, self.tp, self.ops = cfg, tp, ops
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, "model.embed_tokens.weight", cfg.dtype, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ops) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ops, names) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight", cfg.dtype, ops)
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, head_name, cfg.dtype, tp)
         self.register_buffer("inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        self.rope_scale = attention_factor(cfg.rope_scaling)  # YaRN's cos/sin factor; 1 otherwise
         # decode-only steps through ops.decode_layers where it takes this model (TRND_DECODE_LAYERS=0: never)
         self.fuse_decode = os.environ.get("TRND_DECODE_LAYERS", "1").strip() != "0"
         self._fused: tuple | None = None  # decode_layers' weights, widths and linear ops, once the model is packed
@@ -148,7 +166,7 @@ class CausalLM(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttnMeta,
                 sample_rows: torch.Tensor) -> torch.Tensor:
         """ids, positions [T]; sample_rows [B] rows of the batch to compute logits for -> [B, vocab] fp32."""
-        cos, sin = cos_sin(positions, self.inv_freq, self.cfg.dtype)
+        cos, sin = cos_sin(positions, self.inv_freq, self.cfg.dtype, self.rope_scale)
         x, residual, keep = self.embed(ids), None, None
         if (args := self._decode_layers_args(kv, meta, ids.shape[0])) is not None:
             cfg, attn = self.cfg, self.layers[0].attn
@@ -209,6 +227,8 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         if self.tp.size != 1:
             return f"tp = {self.tp.size}"
+        if cfg.moe is not None or cfg.attn_sinks or cfg.window_layers or cfg.quant is not None:
+            return f"{cfg.arch}{' with quantized weights' if cfg.quant else ''}: layers it does not run"
         if why := kernels.decode_layers_refuses(cfg.dtype, cfg.hidden_size, cfg.head_dim,
                                                 cfg.intermediate_size):
             return why

@@ -34,7 +34,21 @@ PRESETS: dict[str, dict] = {
                   head_dim=64, intermediate_size=2048, tokenizer_vocab=32000, vocab_size=32000),
 }
 PRESETS["tiny-gqa1"] = dict(PRESETS["tiny"], num_key_value_heads=1)  # fewer KV heads than a TP degree of 2
-ARCHS = ("qwen3", "llama")
+# Mixtures of experts: many parameters, few active (the models people run on CPUs, in miniature). small-moe has
+# Qwen3-MoE's shapes at the `small` model's width: 32 experts of 384, 4 active (~380M parameters, ~85M active).
+PRESETS["tiny-moe"] = dict(PRESETS["tiny"], arch="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32)
+PRESETS["small-moe"] = dict(PRESETS["small"], arch="qwen3_moe", num_experts=32, num_experts_per_tok=4,
+                            moe_intermediate_size=384)
+# GPT-OSS in miniature: every other layer a sliding window of 8 positions (a prompt of a few pages leaves it),
+# YaRN, attention sinks, biases, the clamped SwiGLU; widths multiples of 32 so MXFP4 groups fit a TP split of 2.
+PRESETS["tiny-gptoss"] = dict(PRESETS["tiny"], arch="gpt_oss", num_experts=8, num_experts_per_tok=2,
+                              intermediate_size=64, sliding_window=8)
+ARCHS = ("qwen3", "llama", "qwen3_moe", "gpt_oss")
+ARCH_CLASSES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "gpt_oss": "GptOssForCausalLM"}
+QUANTS = ("fp8", "mxfp4")
+FP8_BLOCK = [128, 128]
 LOGIT_STD = 2.0  # spread of the random model's logits, see random_weights
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -85,11 +99,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TRND_CACHE_DIR") or Path.home() / ".cache" / "trnd")
 
 
-def default_model_dir(preset: str = "tiny", arch: str = "qwen3", seed: int = 0) -> Path:
-    return cache_dir() / "models" / f"{preset}-{arch}-s{seed}"
+def preset_arch(preset: str, arch: str | None = None) -> str:
+    """The architecture a preset is made in: the one asked, else the preset's own (qwen3 for the dense ones)."""
+    return arch or PRESETS.get(preset, {}).get("arch", "qwen3")
 
 
-def ensure_model(preset: str = "tiny", arch: str = "qwen3", seed: int = 0) -> Path:
+def default_model_dir(preset: str = "tiny", arch: str | None = None, seed: int = 0) -> Path:
+    return cache_dir() / "models" / f"{preset}-{preset_arch(preset, arch)}-s{seed}"
+
+
+def ensure_model(preset: str = "tiny", arch: str | None = None, seed: int = 0) -> Path:
     """The default model directory, made on first use.
 
     A file lock keeps concurrent callers from doing the work twice; building in a temporary sibling and
@@ -131,15 +150,29 @@ def _refresh_template(model_dir: Path) -> None:
     os.replace(tmp, path)
 
 
-def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen3", seed: int = 0,
-               dtype: str = "bfloat16", shards: int | None = None, overrides: dict | None = None) -> Path:
-    """Write a random-weight checkpoint into `out_dir` (created if needed) and return its path."""
+def make_model(out_dir: str | Path, preset: str = "tiny", arch: str | None = None, seed: int = 0,
+               dtype: str = "bfloat16", shards: int | None = None, overrides: dict | None = None,
+               quant: str | None = None, expert_layout: str = "per_expert") -> Path:
+    """Write a random-weight checkpoint into `out_dir` (created if needed) and return its path.
+    quant: "fp8" writes every decoder linear (experts included) block-scaled fp8 (the *-FP8 format), "mxfp4" a
+    GPT-OSS's experts in MXFP4, both quantized from the same seed's weights (kernels/quant.py). expert_layout:
+    Qwen3-MoE's experts one tensor per expert and projection (as transformers 5 saves them) or "fused" (stacked
+    gate_up_proj / down_proj)."""
+    arch = preset_arch(preset, arch)
     if preset not in PRESETS:
         raise ValueError(f"preset: {preset!r} is not one of {sorted(PRESETS)}")
     if arch not in ARCHS:
         raise ValueError(f"arch: {arch!r} is not one of {list(ARCHS)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    if quant not in (None, *QUANTS):
+        raise ValueError(f"quant: {quant!r} is not one of {list(QUANTS)}")
+    if quant == "mxfp4" and arch != "gpt_oss":
+        raise ValueError(f"quant: mxfp4 checkpoints are GPT-OSS's experts; {arch} has no such format (use fp8)")
+    if quant == "fp8" and arch == "gpt_oss":
+        raise ValueError("quant: fp8 is for qwen3, llama and qwen3_moe; GPT-OSS ships MXFP4 experts (use mxfp4)")
+    if expert_layout not in ("per_expert", "fused") or (expert_layout == "fused" and (arch != "qwen3_moe" or quant)):
+        raise ValueError(f"expert_layout: {expert_layout!r} is per_expert, or fused for an unquantized qwen3_moe")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -147,9 +180,19 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "qwen3", s
     tok_size = Tokenizer.from_str(tok_json).get_vocab_size(with_added_tokens=True)
     config = make_config(preset, arch, tok_size, dtype, overrides)
     if shards is None:
-        shards = 2 if preset == "small" else 1
+        shards = 2 if preset.startswith("small") else 1
 
     tensors = random_weights(config, seed, DTYPES[dtype], live_vocab=tok_size)
+    if expert_layout == "fused":
+        tensors = fuse_experts(config, tensors)
+    if quant == "fp8":
+        tensors = quantize_fp8(tensors)
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": FP8_BLOCK}
+    elif quant == "mxfp4":
+        tensors = quantize_mxfp4(tensors)
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)  # weights of an earlier make here with other shards would be loaded too
     write_safetensors(out, tensors, shards)
@@ -168,7 +211,7 @@ def make_config(preset: str, arch: str, tokenizer_size: int, dtype: str = "bfloa
     p = PRESETS[preset]
     vocab = p["vocab_size"] or -(-tokenizer_size // 64) * 64
     cfg = {
-        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"],
+        "architectures": [ARCH_CLASSES[arch]],
         "model_type": arch,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -190,10 +233,26 @@ def make_config(preset: str, arch: str, tokenizer_size: int, dtype: str = "bfloa
         "use_cache": True,
         "vocab_size": vocab,
     }
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         cfg.update(rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=True,
                    use_sliding_window=False, sliding_window=None, max_window_layers=p["num_hidden_layers"])
-    else:  # Llama-3.1 style, so the llama3 RoPE frequency-scaling path is exercised
+    # a dense preset in a MoE architecture: 8 experts of a quarter of its MLP, 2 active
+    experts, top_k = p.get("num_experts", 8), p.get("num_experts_per_tok", 2)
+    if arch == "qwen3_moe":
+        cfg.update(num_experts=experts, num_experts_per_tok=top_k,
+                   moe_intermediate_size=p.get("moe_intermediate_size", p["intermediate_size"] // 4),
+                   norm_topk_prob=True, decoder_sparse_step=1,
+                   mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False)
+    elif arch == "gpt_oss":  # YaRN as GPT-OSS ships it, and its sliding/full layer pattern
+        cfg.update(attention_bias=True, num_local_experts=experts, num_experts_per_tok=top_k,
+                   sliding_window=p.get("sliding_window", 128),
+                   layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(p["num_hidden_layers"])],
+                   swiglu_alpha=1.702, swiglu_limit=7.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                   router_aux_loss_coef=0.001, output_router_logits=False,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
+    elif arch == "llama":  # Llama-3.1 style, so the llama3 RoPE frequency-scaling path is exercised
         cfg.update(rope_theta=500000.0, tie_word_embeddings=False, mlp_bias=False, pretraining_tp=1,
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
@@ -209,43 +268,91 @@ def make_config(preset: str, arch: str, tokenizer_size: int, dtype: str = "bfloa
 
 
 def param_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes, in checkpoint order (embeddings, layers 0..L-1, final norm, head)."""
+    """HF parameter names and shapes, in checkpoint order (embeddings, layers 0..L-1, final norm, head). Linear
+    weights are [out, in] except GPT-OSS's stacked experts, stored [in, out] as transformers holds them."""
     h, d, i = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
     nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    kind = cfg["model_type"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
+    sparse = _sparse_layers(cfg)
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (nq * d, h)
-        shapes[p + "self_attn.k_proj.weight"] = (nkv * d, h)
-        shapes[p + "self_attn.v_proj.weight"] = (nkv * d, h)
+        for x, rows in (("q", nq * d), ("k", nkv * d), ("v", nkv * d)):
+            shapes[p + f"self_attn.{x}_proj.weight"] = (rows, h)
+            if cfg["attention_bias"]:
+                shapes[p + f"self_attn.{x}_proj.bias"] = (rows,)
         shapes[p + "self_attn.o_proj.weight"] = (h, nq * d)
-        if cfg["model_type"] == "qwen3":
+        if cfg["attention_bias"]:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if kind in ("qwen3", "qwen3_moe"):
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if kind == "gpt_oss":
+            shapes[p + "self_attn.sinks"] = (nq,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (i, h)
-        shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if kind == "gpt_oss":
+            e = cfg["num_local_experts"]
+            shapes[p + "mlp.router.weight"] = (e, h)
+            shapes[p + "mlp.router.bias"] = (e,)
+            shapes[p + "mlp.experts.gate_up_proj"] = (e, h, 2 * i)
+            shapes[p + "mlp.experts.gate_up_proj_bias"] = (e, 2 * i)
+            shapes[p + "mlp.experts.down_proj"] = (e, i, h)
+            shapes[p + "mlp.experts.down_proj_bias"] = (e, h)
+        elif n in sparse:
+            e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            for j in range(e):
+                shapes[p + f"mlp.experts.{j}.gate_proj.weight"] = (mi, h)
+                shapes[p + f"mlp.experts.{j}.up_proj.weight"] = (mi, h)
+                shapes[p + f"mlp.experts.{j}.down_proj.weight"] = (h, mi)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
     shapes["model.norm.weight"] = (h,)
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (cfg["vocab_size"], h)
     return shapes
 
 
+def _sparse_layers(cfg: dict) -> set[int]:
+    if cfg["model_type"] == "gpt_oss":
+        return set(range(cfg["num_hidden_layers"]))
+    if cfg["model_type"] != "qwen3_moe":
+        return set()
+    step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
+    return {n for n in range(cfg["num_hidden_layers"]) if n not in only and (n + 1) % step == 0}
+
+
 def param_count(cfg: dict) -> int:
     return sum(torch.Size(s).numel() for s in param_shapes(cfg).values())
+
+
+def active_param_count(cfg: dict) -> int:
+    """Parameters one token's forward reads: all but the experts it is not routed to."""
+    total = param_count(cfg)
+    kind = cfg["model_type"]
+    if kind not in ("qwen3_moe", "gpt_oss"):
+        return total
+    e = cfg["num_local_experts"] if kind == "gpt_oss" else cfg["num_experts"]
+    h, i = cfg["hidden_size"], cfg["intermediate_size"] if kind == "gpt_oss" else cfg["moe_intermediate_size"]
+    per_expert = 3 * h * i + (2 * i + h if kind == "gpt_oss" else 0)  # GPT-OSS: the expert's biases too
+    return total - len(_sparse_layers(cfg)) * (e - cfg["num_experts_per_tok"]) * per_expert
 
 
 def random_weights(cfg: dict, seed: int, dtype: torch.dtype,
                    live_vocab: int | None = None) -> dict[str, torch.Tensor]:
     """Embeddings (and an untied head) ~ N(0, initializer_range); block matrices ~ N(0, 1/fan_in);
-    RMSNorm weights ~ 1 + N(0, 0.05), times LOGIT_STD / (sqrt(hidden) * initializer_range) for the final norm.
+    RMSNorm weights ~ 1 + N(0, 0.05), times LOGIT_STD / (sqrt(hidden) * initializer_range) for the final norm;
+    biases ~ N(0, 0.1), attention sinks ~ N(0, 1).
 
     Why not N(0, 0.02) everywhere: at hidden 64 the blocks would then add almost nothing to the residual
     stream, a tied model would just copy its input token, and the logits (std ~0.16) would be flat.
     Scale-preserving blocks make the output depend on the context, and the final-norm gain gives logits
     with std ~LOGIT_STD whatever the width, so sampling parameters have something to act on.
+    GPT-OSS's gate/up projections are drawn 3x wider (its SwiGLU clamps at 7: some values reach the clamp) and
+    its down projections 3x narrower.
     Embedding/head rows from `live_vocab` on (ids the tokenizer lacks) are zero: their logit is always 0,
     so greedy decoding never picks them and sampling rarely does (random rows would win half the time).
     One generator drawn in checkpoint order makes the bytes depend only on the seed.
@@ -257,16 +364,69 @@ def random_weights(cfg: dict, seed: int, dtype: torch.dtype,
     out = {}
     for name, shape in param_shapes(cfg).items():
         w = torch.randn(shape, generator=gen, dtype=torch.float32)
-        if len(shape) == 1:
+        if name.endswith("sinks"):
+            pass
+        elif name.endswith("bias"):
+            w.mul_(0.1)
+        elif len(shape) == 1:
             w.mul_(0.05).add_(1.0)
             if name == "model.norm.weight":
                 w.mul_(logit_gain)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             w.mul_(std)
             w[live_vocab:] = 0.0
+        elif name.endswith("experts.gate_up_proj"):  # GPT-OSS, [E, in, out]
+            w.mul_(3 * shape[1] ** -0.5)
+        elif name.endswith("experts.down_proj"):
+            w.mul_(shape[1] ** -0.5 / 3)
         else:
             w.mul_(shape[1] ** -0.5)
         out[name] = w.to(dtype).contiguous()
+    return out
+
+
+def fuse_experts(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen3-MoE's per-expert tensors as stacked experts.gate_up_proj [E, 2I, H] (gate rows then up rows) and
+    experts.down_proj [E, H, I], the layout some transformers 5 versions write."""
+    out, e = {}, cfg["num_experts"]
+    for name, t in tensors.items():
+        p, dot, rest = name.partition("mlp.experts.")
+        if not dot:
+            out[name] = t
+        elif rest == "0.gate_proj.weight":
+            out[p + "mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+                (tensors[f"{p}mlp.experts.{j}.gate_proj.weight"], tensors[f"{p}mlp.experts.{j}.up_proj.weight"]))
+                for j in range(e)])
+            out[p + "mlp.experts.down_proj"] = torch.stack(
+                [tensors[f"{p}mlp.experts.{j}.down_proj.weight"] for j in range(e)])
+    return out
+
+
+def quantize_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every decoder linear (attention projections, MLPs, experts; not the router, embeddings or head) as
+    block-scaled fp8 with its weight_scale_inv, the layout of the Qwen3 *-FP8 checkpoints."""
+    from trnd_kernels.quant import quantize_fp8 as quantize
+
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            out[name], out[name + "_scale_inv"] = quantize(t, tuple(FP8_BLOCK))
+        else:
+            out[name] = t
+    return out
+
+
+def quantize_mxfp4(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-OSS's expert projections as MXFP4 `_blocks` / `_scales` ([E, out, in / 32, 16] and [E, out, in / 32]),
+    as its checkpoints ship them; the rest as it was."""
+    from trnd_kernels.quant import quantize_mxfp4 as quantize
+
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name + "_blocks"], out[name + "_scales"] = quantize(t.transpose(1, 2))
+        else:
+            out[name] = t
     return out
 
 
@@ -349,7 +509,7 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-PRESET_NAMES = ("tiny", "small")
+PRESET_NAMES = ("tiny", "small", "tiny-moe", "small-moe", "tiny-gptoss")
 log = logging.getLogger("trnd.model")
 
 
