@@ -1,8 +1,8 @@
 """`trnd bench spec`: speculative decoding against the same engine without it, side by side in one run.
 
-Each setting runs in its own child process, first without speculation then with it, on the same prompts:
-c requests at once (c = each of --concurrency), --new-tokens greedy tokens each with eos ignored, a few
-rounds. TPOT is per request (first token to last over the tokens between), output tok/s over the wall
+Each setting runs in its own child process holding two engines, one without speculation and one with
+it, their rounds interleaved (off, on, on, off, ...) on the same prompts: c requests at once (c = each of
+--concurrency), --new-tokens greedy tokens each with eos ignored. TPOT is per request (first token to last over the tokens between), output tok/s over the wall
 time of a round; the figure of each side is its median over the rounds. Random-weight checkpoints
 accept little, so the settings say where drafts can be right:
 
@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", default="1,4", help="requests at once (default 1,4)")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="rounds per side, interleaved (default 4)")
 
 
 def _mini_draft(target: str) -> str:
@@ -73,46 +73,64 @@ def _prompts(llm, setting: str, n: int, length: int, new: int) -> list[list[int]
     return [p + c.token_ids for p, c in zip(rand, cont)]
 
 
-def _side(model: str, dtype: str, setting: str, spec: dict | None, concurrency: list[int], new: int,
-          prompt_len: int, rounds: int) -> dict:
+def _engine(model: str, dtype: str, spec: dict | None, cmax: int, prompt_len: int, new: int):
     from trnd.config import SpeculativeConfig
     from trnd.llm import LLM
+
+    return LLM(model, dtype=dtype, page_size=16, num_pages=cmax * (3 * prompt_len + new + 64) // 16 + 64,
+               max_batch=cmax, chunk_size=1024, token_budget=2048, prefix_cache=False,
+               speculative=SpeculativeConfig(**spec) if spec else None)
+
+
+def _round(llm, prompts: list[list[int]], params) -> tuple[list[float], float]:
+    """One round: the prompts at once, to the end -> each request's TPOT (s) and the round's output tok/s."""
+    t_first, t_last, n_out = {}, {}, {}
+    for p in prompts:
+        llm.engine.add(p, params)
+    t0 = time.perf_counter()
+    while llm.engine.has_work:
+        for o in llm.engine.step():
+            now = time.perf_counter()
+            if o.token_ids:
+                t_first.setdefault(o.rid, now)
+                t_last[o.rid] = now
+                n_out[o.rid] = n_out.get(o.rid, 0) + len(o.token_ids)
+    wall = time.perf_counter() - t0
+    return [(t_last[r] - t_first[r]) / (n_out[r] - 1) for r in n_out], sum(n_out.values()) / wall
+
+
+def _side(model: str, dtype: str, setting: str, spec: dict, concurrency: list[int], new: int,
+          prompt_len: int, rounds: int) -> dict:
+    """Both engines in this one process, their rounds interleaved (off, on, on, off, ...) on the same prompts,
+    so a drift of the machine's speed (a shared host) lands on both sides alike."""
     from trnd.sampling_params import SamplingParams
 
     cmax = max(concurrency)
-    llm = LLM(model, dtype=dtype, page_size=16, num_pages=cmax * (3 * prompt_len + new + 64) // 16 + 64,
-              max_batch=cmax, chunk_size=1024, token_budget=2048, prefix_cache=False,
-              speculative=SpeculativeConfig(**spec) if spec else None)
-    prompts = _prompts(llm, setting, cmax * rounds, prompt_len, new)
+    off = _engine(model, dtype, None, cmax, prompt_len, new)
+    on = _engine(model, dtype, spec, cmax, prompt_len, new)
+    prompts = _prompts(off, setting, cmax * rounds, prompt_len, new)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
-    out = {}
+    for llm in (off, on):  # warm-up
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    out = {"off": {}, "on": {}}
     for c in concurrency:
-        tpots, rates = [], []
-        before = _counts(llm)
+        runs = {"off": ([], []), "on": ([], [])}
+        before = _counts(on)
         for r in range(rounds):
             ps = prompts[r * cmax: r * cmax + c]
-            t_first, t_last, n_out = {}, {}, {}
-            for p in ps:
-                llm.engine.add(p, params)
-            t0 = time.perf_counter()
-            while llm.engine.has_work:
-                for o in llm.engine.step():
-                    now = time.perf_counter()
-                    if o.token_ids:
-                        t_first.setdefault(o.rid, now)
-                        t_last[o.rid] = now
-                        n_out[o.rid] = n_out.get(o.rid, 0) + len(o.token_ids)
-            wall = time.perf_counter() - t0
-            tpots += [(t_last[r_] - t_first[r_]) / (n_out[r_] - 1) for r_ in n_out]
-            rates.append(sum(n_out.values()) / wall)
-        after = _counts(llm)
+            for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                tpots, rate = _round(off if side == "off" else on, ps, params)
+                runs[side][0].extend(tpots)
+                runs[side][1].append(rate)
+        after = _counts(on)
         drafted, accepted = after[0] - before[0], after[1] - before[1]
-        out[f"c{c}"] = {"tpot_ms": statistics.median(tpots) * 1e3, "tok_s": statistics.median(rates),
-                        "acceptance": accepted / drafted if drafted else None, "drafted": drafted}
-    if llm.engine.spec is not None and llm.engine.spec.draft is not None:
-        out["prefill"] = _prefill_costs(llm, prompts[0][:prompt_len])
-    llm.engine.close()
+        for side, (tpots, rates) in runs.items():
+            out[side][f"c{c}"] = {"tpot_ms": statistics.median(tpots) * 1e3, "tok_s": statistics.median(rates),
+                                  "acceptance": accepted / drafted if drafted else None, "drafted": drafted}
+    if on.engine.spec is not None and on.engine.spec.draft is not None:
+        out["on"]["prefill"] = _prefill_costs(on, prompts[0][:prompt_len])
+    off.engine.close()
+    on.engine.close()
     return out
 
 
@@ -186,7 +204,8 @@ def main(args) -> int:
         spec = spec_config(setting, model, args.k)
         a = (model, args.dtype, setting)
         rest = (conc, args.new_tokens, args.prompt_len, args.rounds)
-        off, on = run_side((*a, None, *rest)), run_side((*a, spec, *rest))
+        both = run_side((*a, spec, *rest))
+        off, on = both["off"], both["on"]
         for c in conc:
             x, y = off[f"c{c}"], on[f"c{c}"]
             acc = "-" if y["acceptance"] is None else f"{y['acceptance']:.0%}"
