@@ -327,10 +327,11 @@ def test_api_key_accepted(auth_server):
 
 @pytest.fixture(scope="module")
 def engine_loop(tiny_qwen3):
-    from trnd.engine.engine import Engine, EngineConfig
+    from trnd.engine.build import EngineConfig, build
+    from trnd.engine.engine import Engine
     from trnd.engine.loop import EngineLoop
 
-    loop = EngineLoop(Engine(EngineConfig(model=str(tiny_qwen3), num_pages=64, max_model_len=MAX_MODEL_LEN)), 8)
+    loop = EngineLoop(Engine(build(EngineConfig(model=str(tiny_qwen3), num_pages=64, max_model_len=MAX_MODEL_LEN))), 8)
     loop.start()
     yield loop
     loop.stop()

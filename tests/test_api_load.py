@@ -140,11 +140,12 @@ def slow_prefill_url(tiny_qwen3):
     from tests.test_api_openai import free_port
     from trnd.api.server import build_app
     from trnd.config import ServeConfig
-    from trnd.engine.engine import Engine, EngineConfig
+    from trnd.engine.build import EngineConfig, build
+    from trnd.engine.engine import Engine
     from trnd.engine.loop import EngineLoop
 
-    engine = Engine(EngineConfig(model=str(tiny_qwen3), num_pages=128, max_model_len=1024, chunk_size=16,
-                                 token_budget=16))
+    engine = Engine(build(EngineConfig(model=str(tiny_qwen3), num_pages=128, max_model_len=1024, chunk_size=16,
+                                       token_budget=16)))
     loop = EngineLoop(engine).start()
     loop.stall_s = 0.02  # each step: so a 480-token prompt prefills in 30 steps, >= 0.6 s
     port = free_port()

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from trnd.engine.engine import EngineConfig
+from trnd.engine.build import EngineConfig
 from trnd.engine.request import SamplingParams
 from trnd.llm import LLM
 

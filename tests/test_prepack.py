@@ -65,7 +65,7 @@ def test_fp32_weights_are_left_alone_where_f_linear_is_the_faster(monkeypatch):
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16),
                                    pytest.param("float32", marks=needs_fp32)])
 def test_engine_with_prepacked_linears_generates_the_same_tokens(tiny_qwen3, monkeypatch, dtype):
-    import trnd.engine.engine as engine_mod
+    import trnd.engine.build as engine_mod
 
     prompts = [list(range(5, 45)), list(range(300, 317))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)

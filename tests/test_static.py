@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trnd.engine.engine import EngineConfig
+from trnd.engine.build import EngineConfig
 from trnd.engine.request import SamplingParams
 from trnd.engine.static import StaticRunner, bucket, pow2_buckets, resolve_point
 from trnd.llm import LLM

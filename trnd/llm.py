@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trnd.engine.engine import Engine, EngineConfig
+from trnd.engine.build import EngineConfig, build
+from trnd.engine.engine import Engine
 from trnd.engine.output import TokenLogprob
 from trnd.sampling_params import SamplingParams
 
@@ -21,7 +22,7 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str, **engine_args):
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self.engine = Engine(build(EngineConfig(model=model, **engine_args)))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

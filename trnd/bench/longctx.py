@@ -54,7 +54,8 @@ def _engine(model_dir: Path, point_name: str, dtype: str, threads: int | None):
     """The engine a prefill role builds for the point (roles/common.py: build_engine): page size, chunk and
     batch from the point, a pool for one full-length sequence, after the same position check."""
     from trnd.backends import resolve_dtype
-    from trnd.engine.engine import Engine, EngineConfig
+    from trnd.engine.build import EngineConfig, build
+    from trnd.engine.engine import Engine
     from trnd.model.config import ModelConfig
     from trnd.points import check_positions, get_point
 
@@ -63,10 +64,10 @@ def _engine(model_dir: Path, point_name: str, dtype: str, threads: int | None):
     why = check_positions(point, mc.max_position_embeddings, mc.rope_scaling)
     if why is not None:
         raise SystemExit(why)
-    engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, page_size=point.page_size,
-                                 num_pages=point.pool_pages_needed() + 64, max_model_len=point.max_context,
-                                 max_batch=point.max_batch, token_budget=point.prefill_chunk,
-                                 chunk_size=point.prefill_chunk, threads=threads, role="bench"))
+    engine = Engine(build(EngineConfig(model=str(model_dir), dtype=dtype, page_size=point.page_size,
+                                       num_pages=point.pool_pages_needed() + 64, max_model_len=point.max_context,
+                                       max_batch=point.max_batch, token_budget=point.prefill_chunk,
+                                       chunk_size=point.prefill_chunk, threads=threads, role="bench")))
     return engine, point
 
 

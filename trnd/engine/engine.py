@@ -4,8 +4,6 @@ drive it from one loop thread, the offline LLM calls step() directly, so both ru
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -15,77 +13,19 @@ from pathlib import Path
 
 import torch
 
-from trnd_kernels import fp8
-from trnd.cache.budget import NodeBudget
-from trnd.config import SpeculativeConfig, StartupError, compile_decode_conflict
-from trnd.cache.host import HostTier
-from trnd.cache.pages import PagePool
-from trnd.cache.radix import RadixCache
-from trnd.cache.tiers import Tiers
-from trnd.engine.corelock import CoreLock
-from trnd.engine.output import OutputStream, StepOutput
-from trnd.engine.request import Req, SamplingParams
-from trnd.backends import get_backend, resolve_dtype
-from trnd.backends.cpu import cpu_paths, describe, kernels_status
-from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes, prepare
-from trnd.engine.sampler import SampleOut, Sampler
+from trnd.config import StartupError
 from trnd.engine import state, trace
+from trnd.engine.build import Parts
+from trnd.engine.output import OutputStream, StepOutput
 from trnd.engine.parked import Parked
-from trnd.engine.scheduler import Batch, Scheduler, SchedulerConfig
-from trnd.model.config import ModelConfig, fingerprint, weights_identity
-from trnd.model.loader import load_model
-from trnd.model.tokenizer import Tokenizer
-from trnd.parallel import TPGroup
-from trnd.transfer.metrics import TransferMetrics
+from trnd.engine.request import Req, SamplingParams
+from trnd.engine.runner import prepare
+from trnd.engine.sampler import SampleOut, Sampler
+from trnd.engine.scheduler import Batch
 
 log = logging.getLogger("trnd.engine")
 
 RECENT = 512  # ended requests whose path /admin/requests/{id} still shows
-
-
-@dataclass
-class EngineConfig:
-    model: str
-    dtype: str | None = None  # None or "auto": the backend picks (trnd/backends: pick_dtype)
-    kv_cache_dtype: str = "auto"  # auto: KV in the model dtype; fp8_e4m3 | fp8_e5m2: fp8 pages (kernels/fp8.py)
-    backend: str = "cpu"
-    page_size: int = 16
-    num_pages: int | None = None  # None: derived from kv_memory_gb
-    kv_memory_gb: float = 1.0
-    max_model_len: int | None = None  # None: min(model's max positions, what the pool holds)
-    max_batch: int = 32
-    token_budget: int = 512
-    chunk_size: int = 512
-    prefix_cache: bool = True
-    seed: int | None = None  # for unseeded sampling (tests)
-    threads: int | None = None
-    tp: int = 1  # tensor-parallel ranks (processes) for this engine
-    host_cache_gb: float = 0.0  # L2 host-DRAM tier for evicted prefix pages; 0: off
-    host_policy: str = "write-back"  # or write-through
-    node_host_memory_gb: float | None = None  # node-wide budget shared with other trnd processes; None: no check
-    store: list[str] = field(default_factory=list)  # L3: remote KV stores (host:port); [] = off
-    store_secret: bytes | None = None  # control-plane secret the stores share
-    store_on_finish: bool = True  # write a finished request's full pages to L3 (the next turn finds them)
-    store_deadline_s: float = 1.0  # a store slower than this is a miss
-    role: str = "serve"  # names this process's NIXL agent
-    static: bool = False  # pad steps to the point's shape buckets, compiled per bucket (engine/static.py)
-    point: str | None = None  # decode point whose buckets the static path uses; None: derived from this config
-    compiler: str | None = None  # the static path's torch.compile backend; None: static.COMPILERS for the device
-    core_lock: str | None = None  # a file the roles sharing this node's cores lock per forward (engine/corelock.py)
-    transfer_backend: str = "ucx"  # the NIXL backend of this process's agent (transfer/backends.py)
-    remote: object = None  # config.RemoteConfig: the L3 backend (Mooncake: store/mooncake.py); None: `store`
-    compile_decode: bool = False  # decode-only steps through one inductor graph (engine/compiled.py); CPU
-    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec/); None: one token per step
-
-    def __post_init__(self):
-        if why := compile_decode_conflict(self.compile_decode, self.backend, self.tp, self.static,
-                                          self.kv_cache_dtype):
-            raise ValueError(why)
-        if self.static and self.tp > 1:
-            raise ValueError("static = true runs one rank: tp must be 1")
-        if self.static and self.kv_cache_dtype != "auto":
-            raise ValueError(f"static = true keeps KV in the model dtype: kv_cache_dtype = {self.kv_cache_dtype!r} "
-                             "runs on the eager path (static = false)")
 
 
 @dataclass
@@ -109,162 +49,37 @@ class LengthError(ValueError):
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig):
-        dtype, why = resolve_dtype(cfg.dtype, cfg.backend)
-        cfg = self.cfg = dataclasses.replace(cfg, dtype=dtype)
-        self.kernels = kernels_status() if cfg.backend == "cpu" else None
-        if self.kernels is not None and self.kernels.kind == "other_torch":  # a wheel beside another torch
-            raise StartupError(f"{self.kernels.why} (TRND_CPU_KERNELS=0 runs the torch ops instead)")
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        mc = ModelConfig.from_dir(cfg.model, cfg.dtype)
-        self.tokenizer = Tokenizer.from_dir(cfg.model)
-        tp = TPGroup(0, cfg.tp)
-        nk = tp.kv_heads(mc.num_kv_heads)
-        tp.split(mc.num_heads, "num_attention_heads")  # refuse a bad layout before starting processes
-        page_bytes = kv_page_bytes(mc, nk[1] - nk[0], cfg.page_size, cfg.kv_cache_dtype)
-        num_pages = cfg.num_pages or max(2, int(cfg.kv_memory_gb * 2**30) // page_bytes)
-        # One pool per rank, on the backend's device; with TP they live in shared memory so this process
-        # can reach them all (the ranks all-reduce over gloo, on the CPU).
-        device = get_backend(cfg.backend).device if cfg.tp == 1 else "cpu"
-        self.pools = [alloc_kv(mc, nk[1] - nk[0], num_pages, cfg.page_size, shared=cfg.tp > 1, device=device,
-                               kv_cache_dtype=cfg.kv_cache_dtype) for _ in range(cfg.tp)]
-        self.workers = None
-        self._agent = None
-        if cfg.tp > 1:
-            from trnd.engine.workers import WorkerGroup
+    """The requests over an assembled engine (engine/build.py): add, abort, step, deliver."""
 
-            self.workers = WorkerGroup(cfg.tp, cfg.model, cfg.dtype, cfg.backend, self.pools, cfg.threads)
-            tp = self.workers.tp
-        self.model, self.model_config = load_model(cfg.model, cfg.dtype, tp, cfg.backend,
-                                                   prepack=cfg.backend == "cpu" and not cfg.static
-                                                   and not cfg.compile_decode)  # inductor packs its own
-        self.tp = tp
-        self.pool = PagePool(num_pages)
-        # The static path's padding writes its KV into this page: reserved for good, never handed out.
-        self.scratch_page = self.pool.alloc(1)[0] if cfg.static else None
-        self.radix = RadixCache(self.pool, cfg.page_size, namespace=self.namespace)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.page_size, cfg.max_batch, cfg.token_budget, cfg.chunk_size,
-                                                   cfg.prefix_cache), self.pool, self.radix)
+    def __init__(self, parts: Parts):
+        cfg = self.cfg = parts.cfg
+        self.model, self.model_config, self.tokenizer, self.tp = parts.model, parts.model_config, parts.tokenizer, parts.tp
+        self.pools, self.workers, self.pool, self.scratch_page = parts.pools, parts.workers, parts.pool, parts.scratch_page
+        self.radix, self.scheduler, self.runner, self.tiers = parts.radix, parts.scheduler, parts.runner, parts.tiers
+        self.max_model_len, self.namespace, self.layout = parts.max_model_len, parts.namespace, parts.layout
+        self.agent, self.xfer_metrics, self.budget = parts.agent, parts.xfer_metrics, parts.budget
+        self.core_lock, self.kernels, self.cpu_paths = parts.core_lock, parts.kernels, parts.cpu_paths
         # Roles hook in here: called after each forward, before sampling and finishing (prefill ships
         # the pages a chunk completed while the next chunk computes: roles/prefill.py).
         self.on_forward: Callable[[Batch], None] | None = None
-        self.core_lock = CoreLock(cfg.core_lock) if cfg.core_lock else None
         # Pages a role keeps beyond any request: a NIXL write still reading them (prefill), a peer's
         # write that may still land (decode's quarantine). One pool reference each (hold/drop).
         self.held: Counter[int] = Counter()
         self.failures: list[tuple[str, BaseException]] = []  # requests whose KV source gave up (EngineLoop fails them)
         self.integrity = None  # snapshot.Integrity: the last idle-time check (engine/state.py)
-        if cfg.static:
-            from trnd.engine.static import StaticRunner, resolve_point
-
-            point = resolve_point(cfg.point, page_size=cfg.page_size, max_batch=cfg.max_batch,
-                                  chunk_size=cfg.chunk_size, max_context=min(
-                                      cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size))
-            self.runner = StaticRunner(self.model, mc, self.pools[0], point, self.scratch_page, compiler=cfg.compiler)
-        else:
-            self.runner = ModelRunner(self.model, mc, self.pools[0])
-        if cfg.compile_decode:
-            from trnd.engine.compiled import CompiledDecode
-
-            self.runner.compiled = CompiledDecode(self.model)
-            page = self.pool.alloc(1)  # the warm-up's steps write their KV here only
-            try:
-                log.info("compile_decode: decode graphs compiled in %.1f s",
-                         self.runner.compiled.warmup(self.runner, page[0]))
-            finally:
-                self.pool.unref(page)
-        # Per-peer transfer metrics of this process (transfer/metrics.py): the store client's reads and
-        # writes, the roles' KV handoffs; /metrics renders them with the rest (api/metrics.py).
-        self.xfer_metrics = TransferMetrics(Path(cfg.model).resolve().name)  # the served name: api/metrics.py
-        self.tiers = self._make_tiers()
-        self.scheduler.tiers = self.tiers
         self.kv_events = None  # trnd/events Recorder once publish_kv_events ran
-        if self.workers:
-            self.workers.ready()
         self.sampler = Sampler(self.tokenizer.eos_token_ids, seed=cfg.seed, argmax=self.model.ops.argmax)
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size)
-        self.spec = None
+        self.spec = None  # speculative decoding (engine/spec/): drafts proposed after each step, verified in the next
         if cfg.speculative is not None:
             from trnd.engine.spec.build import speculator
 
-            self.spec = speculator(cfg.speculative, self, num_pages)
+            self.spec = speculator(cfg.speculative, self, self.pool.num_pages)
         self.streams: dict[str, OutputStream] = {}
         self.stats = EngineStats()
         self.idle_step = False  # the last step had nothing to compute (work parked on transfers)
         self.recent: OrderedDict[str, object] = OrderedDict()  # rid -> snapshot.Trace of the latest ended requests
-        loaded = str(self.model_config.dtype).removeprefix("torch.")
-        self.cpu_paths = cpu_paths(loaded, why) if cfg.backend == "cpu" else {}
-        if cfg.backend == "cpu":
-            log.info(describe(loaded, why))
-        if cfg.kv_cache_dtype != "auto":  # the compiled CPU kernels take model-dtype pools only (kernels/cpu)
-            log.info("kv cache %s: %d-byte pages (values + per-block scales); attention dequantizes on the fly "
-                     "in the torch ops", cfg.kv_cache_dtype, self.runner.page_bytes)
         self._grammars = None
         self.compile_cache: str | None = None  # the `trnd compile` dir the role loaded (trnd/compile_cache.py)
-        if cfg.static:
-            log.info(self.runner.summary())
-
-    @functools.cached_property
-    def namespace(self) -> str:
-        """Page-hash key space: the same model (config + tokenizer + weights: model/config.py weights_identity)
-        and KV dtype on any node, any role (fp8 pages get their own: L2/L3 never hand an fp8 page to a
-        model-dtype pool or back). Every L3 key carries it (the chain's root: cache/hashing.py)."""
-        model = Path(self.cfg.model)
-        ns = f"{fingerprint(model)}-{weights_identity(model)}:{str(self.model_config.dtype).removeprefix('torch.')}"
-        return ns if self.cfg.kv_cache_dtype == "auto" else f"{ns}:kv={self.cfg.kv_cache_dtype}"
-
-    def kv_agent(self):
-        """This process's one NIXL agent, with every rank's pool registered (made on first use)."""
-        if self._agent is None:
-            import uuid
-
-            from trnd.transfer.nixl import KVAgent
-
-            self._agent = KVAgent(f"{self.cfg.role}-{uuid.uuid4().hex[:8]}", self.pools, self.cfg.transfer_backend)
-        return self._agent
-
-    def layout(self):
-        from trnd.transfer.plan import Layout
-
-        mc, n = self.model_config, self.model_config.num_kv_heads
-        heads = tuple(TPGroup(r, self.tp.size).kv_heads(n) for r in range(self.tp.size))
-        itemsize, scale_bytes = fp8.block_bytes(self.pools[0].dtype, self.cfg.page_size, mc.head_dim)
-        return Layout(mc.num_layers, self.cfg.page_size, mc.head_dim, itemsize, heads, scale_bytes)
-
-    def _make_tiers(self) -> Tiers | None:
-        cfg = self.cfg
-        mooncake = cfg.remote is not None and cfg.remote.backend == "mooncake"
-        if not cfg.prefix_cache or (cfg.host_cache_gb <= 0 and not cfg.store and not mooncake):
-            return None
-        host = None
-        if cfg.host_cache_gb > 0:
-            row = sum(p[0].numel() * p.element_size() for p in self.pools)
-            slots = int(cfg.host_cache_gb * 2**30) // row
-            if cfg.node_host_memory_gb is not None:
-                self.budget = NodeBudget(int(cfg.node_host_memory_gb * 2**30))
-                self.budget.reserve(slots * row, "host KV tier (host_cache_gb)")
-            host = HostTier(self.pools, slots)
-        remote = None
-        if mooncake:
-            from trnd.store.mooncake import MooncakeTier
-
-            try:
-                remote = MooncakeTier(cfg.remote, self.layout(), self.pools, self.namespace,
-                                      dtype=self.runner.kv_dtype, deadline_s=cfg.store_deadline_s,
-                                      metrics=self.xfer_metrics)
-            except RuntimeError as e:  # the extra missing, or no master: one line at start
-                raise StartupError(str(e)) from None
-        elif cfg.store:
-            from trnd.store.client import StoreClient
-
-            if not cfg.store_secret:
-                raise ValueError("store: a remote KV store needs the control-plane secret (secret_file)")
-            remote = StoreClient(cfg.store, cfg.store_secret, self.kv_agent(), self.layout(), self.pools,
-                                 self.namespace, dtype=self.runner.kv_dtype,
-                                 deadline_s=cfg.store_deadline_s, metrics=self.xfer_metrics)
-        return Tiers(self.radix, self.pool, cfg.page_size, self.namespace, host, cfg.host_policy, remote,
-                     cfg.store_on_finish)
 
     @property
     def grammars(self):

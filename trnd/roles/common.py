@@ -8,7 +8,8 @@ from pathlib import Path
 from trnd_kernels.fp8 import SCALE_BYTES
 from trnd.backends import resolve_dtype
 from trnd.config import StartupError
-from trnd.engine.engine import Engine, EngineConfig
+from trnd.engine.build import EngineConfig, build
+from trnd.engine.engine import Engine
 from trnd.model.config import ModelConfig, fingerprint
 from trnd.points import Capacity, DecodePoint, capacity, check_positions, get_point
 from trnd.transfer.plan import Layout
@@ -56,21 +57,9 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
             f"point {point.name!r} needs {need} pages of {point.page_size} tokens for one {point.max_context}-token "
             f"sequence ({need * page_bytes / 2**20:.1f} MiB per rank), but kv_memory_gb = {cfg.kv_memory_gb} holds "
             f"only {num_pages}: raise kv_memory_gb or pick a smaller point")
-    engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
-                                 backend=cfg.backend,
-                                 page_size=point.page_size, num_pages=num_pages,
-                                 max_model_len=max_model_len or point.max_context, max_batch=point.max_batch,
-                                 token_budget=point.prefill_chunk, chunk_size=point.prefill_chunk,
-                                 prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp,
-                                 host_cache_gb=cfg.host_cache_gb,
-                                 host_policy=cfg.host_policy, node_host_memory_gb=cfg.node_host_memory_gb,
-                                 store=list(cfg.store), store_secret=secret, store_on_finish=cfg.store_on_finish,
-                                 store_deadline_s=cfg.store_deadline_s, role=role, static=static,
-                                 point=point.name if static else None, compiler=compiler,
-                                 core_lock=cfg.core_lock, compile_decode=cfg.compile_decode,
-                                 transfer_backend=cfg.transfer_backend, remote=cfg.remote,
-                                 # prefill samples no decode step: no drafts, no draft model (only the contract)
-                                 speculative=cfg.speculative_config if role == "decode" else None))
+    engine = Engine(build(EngineConfig.from_role(cfg, model_dir, role=role, point=point, num_pages=num_pages,
+                                                 max_model_len=max_model_len, secret=secret, static=static,
+                                                 compiler=compiler)))
     log.info(point_capacity(engine, point).line())
     if static and cache is None:
         log.info("static path without a compile cache: each bucket is compiled on its first use (`trnd compile` "
@@ -90,17 +79,6 @@ def point_capacity(engine: Engine, point: DecodePoint) -> Capacity:
     return capacity(point, engine.runner.page_bytes, engine.pool.num_pages)
 
 
-def layout_of(engine: Engine) -> Layout:
-    return engine.layout()
-
-
-def rank_heads(engine: Engine) -> list[tuple[int, int]]:
-    from trnd.parallel import TPGroup
-
-    n = engine.model_config.num_kv_heads
-    return [TPGroup(r, engine.tp.size).kv_heads(n) for r in range(engine.tp.size)]
-
-
 def manifest(engine: Engine, point: DecodePoint, role: str, model_name: str, speculative=None) -> Manifest:
     """speculative: the role's SpeculativeConfig (None: off), part of the contract on both sides."""
     mc = engine.model_config
@@ -108,7 +86,7 @@ def manifest(engine: Engine, point: DecodePoint, role: str, model_name: str, spe
                     dtype=str(mc.dtype).removeprefix("torch."), num_layers=mc.num_layers,
                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=point.page_size,
                     point=point.name, max_context=point.max_context, max_batch=point.max_batch, tp=engine.tp.size,
-                    rank_heads=rank_heads(engine), page_bytes=engine.runner.page_bytes,
+                    rank_heads=list(engine.layout.rank_heads), page_bytes=engine.runner.page_bytes,
                     kv_cache_dtype=engine.cfg.kv_cache_dtype, transfer_backend=engine.cfg.transfer_backend,
                     speculative_config={} if speculative is None else speculative.contract())
 

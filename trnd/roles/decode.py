@@ -27,7 +27,7 @@ from trnd.engine.request import Req
 from trnd.engine.sampler import SampleOut
 from trnd.log import Failures
 from trnd.procs import dial
-from trnd.roles.common import build_engine, layout_from, layout_of, manifest, point_capacity
+from trnd.roles.common import build_engine, layout_from, manifest, point_capacity
 from trnd.transfer import digest
 from trnd.transfer import protocol as P
 from trnd.transfer.plan import make_plan, page_rows
@@ -120,8 +120,8 @@ class DecodeServer:
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "decode", model_name, cfg.speculative_config)
         self.capacity = point_capacity(self.engine, self.point)
-        self.agent = self.engine.kv_agent()
-        self.layout = layout_of(self.engine)
+        self.agent = self.engine.agent
+        self.layout = self.engine.layout
         self.memory = digest.Memory(self.engine.pools)
         self.engine.take_prompt_kv_from(self.ask_peer)
         self.loop = EngineLoop(self.engine, cfg.max_requests, poll=self._poll)

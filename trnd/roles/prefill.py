@@ -25,7 +25,7 @@ from trnd.engine.loop import EngineLoop
 from trnd.engine.output import StepOutput
 from trnd.engine.scheduler import Batch
 from trnd.log import Failures
-from trnd.roles.common import build_engine, layout_from, layout_of, manifest, point_capacity
+from trnd.roles.common import build_engine, layout_from, manifest, point_capacity
 from trnd.transfer import protocol as P
 from trnd.transfer.handoff import Shipment, Shipped, Xfer
 from trnd.transfer import digest
@@ -59,8 +59,8 @@ class PrefillServer:
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "prefill", model_name, cfg.speculative_config)
         self.capacity = point_capacity(self.engine, self.point)
-        self.layout = layout_of(self.engine)
-        self.agent = self.engine.kv_agent()
+        self.layout = self.engine.layout
+        self.agent = self.engine.agent
         self.memory = digest.Memory(self.engine.pools)
         self.engine.on_forward = self._ship
         self._names: dict[int, str] = {}  # peer id -> its decode agent (kept while its shipments settle)

@@ -15,7 +15,8 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
     from trnd.api.server import build_app
     from trnd.daemon.lifecycle import Lifecycle
     from trnd.engine.warmup import warm_up
-    from trnd.engine.engine import Engine, EngineConfig
+    from trnd.engine.build import EngineConfig, build
+    from trnd.engine.engine import Engine
     from trnd.engine.loop import EngineLoop
     from trnd.roles.runtime import http_server, run_async
 
@@ -44,19 +45,8 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
         bind_for(None, cfg.store)  # a store client's NIXL agent: on the interface toward its stores
         model_dir = resolve_model(cfg.model)
         life.status(f"loading {model_dir}")
-        engine = Engine(EngineConfig(model=str(model_dir), dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
-                                     backend=cfg.backend,
-                                     page_size=cfg.page_size, num_pages=cfg.num_pages, kv_memory_gb=cfg.kv_memory_gb,
-                                     max_model_len=cfg.max_model_len, max_batch=cfg.max_batch,
-                                     token_budget=cfg.token_budget, chunk_size=cfg.chunk_size,
-                                     prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp,
-                                 host_cache_gb=cfg.host_cache_gb, host_policy=cfg.host_policy,
-                                 node_host_memory_gb=cfg.node_host_memory_gb, store=list(cfg.store),
-                                 store_secret=cfg.resolved_secret_optional(), store_on_finish=cfg.store_on_finish,
-                                 store_deadline_s=cfg.store_deadline_s, static=cfg.static, core_lock=cfg.core_lock,
-                                 compile_decode=cfg.compile_decode, transfer_backend=cfg.transfer_backend,
-                                 remote=cfg.remote,
-                                 speculative=cfg.speculative_config))
+        engine = Engine(build(EngineConfig.from_role(cfg, model_dir, role="serve",
+                                                     secret=cfg.resolved_secret_optional())))
         try:
             engine.publish_kv_events(cfg.kv_events, cfg.host)
             life.status("warming up")
