@@ -115,12 +115,15 @@ def test_two_locks_in_one_process_exclude_each_other(tmp_path):
 
 @pytest.mark.parametrize("share", [True, False])
 def test_the_local_deployment_gives_its_roles_one_lock(tmp_path, share):
-    from trnd.config import ServeConfig
+    from trnd.config import LocalConfig, load_config
     from trnd.roles.local import role_configs
 
     import tomllib
 
-    children = role_configs(ServeConfig(model="/nonexistent", share_cores=share), "/nonexistent", tmp_path)
+    def local(**kw) -> LocalConfig:
+        return load_config(LocalConfig, None, {"model": "/nonexistent", "share_cores": share, **kw})
+
+    children = role_configs(local(), "/nonexistent", tmp_path)
     locks = {c.name: tomllib.loads(open(c.config).read()).get("core_lock") for c in children}
     assert set(locks) == {"prefill0", "decode"}
     if share:
@@ -129,8 +132,7 @@ def test_the_local_deployment_gives_its_roles_one_lock(tmp_path, share):
         assert locks == {"prefill0": None, "decode": None}
     # an operator's own lock file (shared with other roles on the node) is the deployment's lock either way
     mine = str(tmp_path / "node.lock")
-    children = role_configs(ServeConfig(model="/nonexistent", share_cores=share, core_lock=mine), "/nonexistent",
-                            tmp_path)
+    children = role_configs(local(core_lock=mine), "/nonexistent", tmp_path)
     assert {tomllib.loads(open(c.config).read()).get("core_lock") for c in children} == {mine}
 
 
@@ -140,12 +142,13 @@ def test_the_decode_role_prefills_short_prompts_itself_only_on_shared_cores(tmp_
     to the prefill peer) where they do not; what the operator sets wins either way, and `trnd serve` passes it."""
     import tomllib
 
-    from trnd.config import ConfigError, DecodeConfig, ServeConfig, load_config
+    from trnd.config import ConfigError, DecodeConfig, LocalConfig, load_config
     from trnd.roles.decode import LOCAL_PREFILL_SHARED_CORES, local_prefill_tokens
     from trnd.roles.local import role_configs
 
     def decode_cfg(**kw) -> DecodeConfig:
-        children = role_configs(ServeConfig(model="/nonexistent", share_cores=share, **kw), "/nonexistent", tmp_path)
+        local = load_config(LocalConfig, None, {"model": "/nonexistent", "share_cores": share, **kw})
+        children = role_configs(local, "/nonexistent", tmp_path)
         dec = next(c for c in children if c.name == "decode")
         return load_config(DecodeConfig, dec.config, {})
 

@@ -295,4 +295,4 @@ def test_a_bad_kv_cache_dtype_is_one_line_naming_the_field():
     for cls in (ServeConfig, PrefillConfig):
         with pytest.raises(ConfigError, match=r"kv_cache_dtype = 'fp8' is not one of auto, fp8_e4m3, fp8_e5m2"):
             load_config(cls, None, {"kv_cache_dtype": "fp8"})
-    assert load_config(ServeConfig, None, {"kv_cache_dtype": "fp8_e5m2"}).kv_cache_dtype == "fp8_e5m2"
+    assert load_config(ServeConfig, None, {"kv_cache_dtype": "fp8_e5m2"}).engine.kv_cache_dtype == "fp8_e5m2"

@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from trnd.config import ConfigError, DecodeConfig, PrefillConfig, ServeConfig, load_config
+from trnd.config import (ConfigError, DecodeConfig, LocalConfig, PrefillConfig, RouterConfig, ServeConfig, StoreConfig,
+                         load_config)
 from trnd.daemon import lifecycle, notify
 
 from .procs import free_port
@@ -104,7 +105,7 @@ def test_unit_contract():
     assert u["Restart"] == ["on-failure"] and u["RestartPreventExitStatus"] == ["69 78"]
     assert u["KillMode"] == ["mixed"]
     # The drain must fit in the stop timeout with room to abort and close the ranks.
-    assert seconds(u["TimeoutStopSec"][0]) >= ServeConfig().drain_timeout_s + lifecycle.STOP_MARGIN_S
+    assert seconds(u["TimeoutStopSec"][0]) >= ServeConfig().http.drain_timeout_s + lifecycle.STOP_MARGIN_S
     assert seconds(u["WatchdogSec"][0]) >= 10
     assert "TRND_CACHE_DIR=/var/cache/trnd" in " ".join(u["Environment"]).split()
     assert u["User"] == ["trnd"] and u["CapabilityBoundingSet"] == [""] and u["NoNewPrivileges"] == ["yes"]
@@ -135,13 +136,11 @@ def test_sysusers_and_tmpfiles_make_the_account_and_directories(tmp_path):
         assert (st.st_mode & 0o777, st.st_uid) == (mode, owner), path
 
 
-@pytest.mark.parametrize("name,cls", [("serve", ServeConfig), ("prefill", PrefillConfig), ("decode", DecodeConfig)])
-def test_example_role_configs_are_valid(name, cls, tmp_path, monkeypatch):
-    # the roles read their credentials at start: give them the ones the unit's LoadCredential= would
-    (tmp_path / "trnd_control_secret").write_text("s" * 32)
-    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+@pytest.mark.parametrize("name,cls", [("serve", LocalConfig), ("prefill", PrefillConfig), ("decode", DecodeConfig),
+                                      ("router", RouterConfig), ("store", StoreConfig)])
+def test_example_role_configs_are_valid(name, cls):
     cfg = load_config(cls, ROOT / "configs" / f"{name}.toml")
-    if name != "serve":
+    if name not in ("serve", "router"):
         assert cfg.secret_file == "${CREDENTIALS_DIRECTORY}/trnd_control_secret"  # what LoadCredential= names it
 
 
@@ -296,11 +295,11 @@ def test_reload_swaps_limits_and_api_key_and_ignores_the_rest(tmp_path, monkeypa
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     key = tmp_path / "key"
     key.write_text("old-key\n")
-    cfg = ServeConfig(api_key_file=str(key), max_n=4, port=8000)
-    loop = SimpleNamespace(max_requests=cfg.max_requests)
+    cfg = load_config(ServeConfig, None, {"api_key_file": str(key), "max_n": 4, "port": 8000})
+    loop = SimpleNamespace(max_requests=cfg.api.max_requests)
     app = build_app(loop, cfg, "m")
     new = {}
-    life = lifecycle.Lifecycle("serve", cfg, reload_source=lambda: ServeConfig(**new))
+    life = lifecycle.Lifecycle("serve", cfg, reload_source=lambda: load_config(ServeConfig, None, new))
     life.state, life.loop, life.phase = app.state.trnd, loop, "running"
     client = TestClient(app)
 
@@ -312,29 +311,30 @@ def test_reload_swaps_limits_and_api_key_and_ignores_the_rest(tmp_path, monkeypa
     new.update(api_key_file=str(key), max_n=2, max_requests=7, port=9000, log_level="info")
     assert life.reload()
     st = app.state.trnd
-    assert st.cfg.max_n == 2 and loop.max_requests == 7 and life.cfg.max_n == 2
-    assert st.cfg.port == 8000 and life.cfg.port == 8000  # needs a restart: ignored
+    assert st.cfg.api.max_n == 2 and loop.max_requests == 7 and life.cfg.api.max_n == 2
+    assert st.cfg.http.port == 8000 and life.cfg.http.port == 8000  # needs a restart: ignored
     assert (status("old-key"), status("new-key")) == (401, 404)
     new.update(max_n=3, api_key_file=str(tmp_path / "missing"))
     assert not life.reload()  # the key file is gone: nothing changes, not even max_n
-    assert st.cfg.max_n == 2 and status("new-key") == 404
+    assert st.cfg.api.max_n == 2 and status("new-key") == 404
 
     def bad():
         raise ConfigError("x.toml: Expected `int` - at `$.max_n`")
     life.reload_source = bad
-    assert not life.reload() and st.cfg.max_n == 2
+    assert not life.reload() and st.cfg.api.max_n == 2
 
 
 def test_argv_source_rereads_the_file_with_the_same_flags(tmp_path):
     f = tmp_path / "serve.toml"
     f.write_text("max_n = 3\nport = 8001\n")
     from trnd.cli import argv_source
+    from trnd.config import load_serve_config
 
-    source = argv_source("serve", ServeConfig, ["serve", "--config", str(f), "--port", "8002"])
+    source = argv_source("serve", load_serve_config, ["serve", "--config", str(f), "--port", "8002"])
     f.write_text("max_n = 5\nport = 8001\n")
     cfg = source()
-    assert (cfg.max_n, cfg.port) == (5, 8002)
-    assert argv_source("serve", ServeConfig, ["-m", "pytest"]) is None
+    assert (cfg.api.max_n, cfg.http.port) == (5, 8002)
+    assert argv_source("serve", load_serve_config, ["-m", "pytest"]) is None
 
 
 # -- the daemon, end to end -------------------------------------------------------------------------
@@ -384,9 +384,7 @@ class Daemon:
 
 
 def serve_config(path: Path, model, port: int, **fields) -> Path:
-    data = {"model": str(model), "port": port, "threads": 1, "kv_memory_gb": 0.05, **fields}
-    if "aggregated" in ServeConfig.__struct_fields__:  # `trnd serve` can also run a local prefill + decode pair
-        data["aggregated"] = True
+    data = {"model": str(model), "port": port, "threads": 1, "kv_memory_gb": 0.05, "aggregated": True, **fields}
     path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in data.items()))
     return path
 

@@ -16,18 +16,40 @@ def _check_backend(name: str) -> None:
     get_backend(name)
 
 
+def _choices(field: str) -> list[str]:
+    """A Literal field's values (trnd/config.py): the flag offers what the config accepts."""
+    import typing
+
+    from trnd.config import APIConfig, EngineKnobs, LogLevel, RouterConfig
+
+    if field == "log_level":
+        return list(typing.get_args(LogLevel))
+    for part in (EngineKnobs, APIConfig, RouterConfig):
+        hint = typing.get_type_hints(part).get(field)
+        if hint is not None:
+            return list(typing.get_args(hint))
+    raise KeyError(field)
+
+
 def _compute_flags(p) -> None:
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"],
+    p.add_argument("--dtype", choices=_choices("dtype"),
                    help="weights, compute and KV dtype (default auto: the checkpoint's, or float32 on a CPU "
                         "without native bf16)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+    p.add_argument("--kv-cache-dtype", choices=_choices("kv_cache_dtype"),
                    help="KV page format (default auto: the compute dtype; fp8: half the bytes per page, "
                         "scales inside each page)")
-    p.add_argument("--backend", choices=["cpu", "cuda", "neuron"], help="where the model runs (default cpu)")
+    p.add_argument("--backend", choices=_choices("backend"), help="where the model runs (default cpu)")
 
 
-def _graph_flags(p) -> None:
-    """The compiled-graph paths, for `trnd serve` and the roles alike."""
+def _engine_flags(p) -> None:
+    """config.py EngineKnobs and TierConfig, for `trnd serve` and the roles alike: a new engine setting is a
+    field there and a flag here."""
+    _compute_flags(p)
+    p.add_argument("--tp", type=int, help="tensor-parallel degree: ranks (processes) sharding the model (default 1)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads per rank (default: all cores)")
+    p.add_argument("--kv-memory-gb", type=float, help="memory for the KV page pool, per rank (default 1.0)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
+                   help="disable the radix prefix cache")
     p.add_argument("--static", action="store_const", const=True,
                    help="pad every step to the decode point's buckets, one compiled graph each (engine/static.py)")
     p.add_argument("--compile-decode", action="store_const", const=True,
@@ -36,6 +58,27 @@ def _graph_flags(p) -> None:
     p.add_argument("--compile-cache", metavar="DIR",
                    help="load every bucket's graph from a `trnd compile` output (implies --static); refuses a "
                         "cache built for another model, point, dtype or torch")
+    p.add_argument("--core-lock", metavar="FILE",
+                   help="roles on one node's cores: hold this file's lock per forward pass, taking turns "
+                        "(the same FILE in each; engine/corelock.py)")
+    p.add_argument("--transfer-backend", choices=_choices("transfer_backend"),
+                   help="NIXL backend for the KV handoff and L3 (default ucx; libfabric: the EFA path, its tcp "
+                        "provider elsewhere; both roles must name the same)")
+    p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
+    p.add_argument("--store", action="append", metavar="HOST:PORT", help="L3: a remote KV store (repeatable)")
+
+
+def _api_flags(p) -> None:
+    """config.py HTTPConfig's and APIConfig's flags, for the OpenAI fronts (serve, decode)."""
+    p.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, help="OpenAI API port (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    p.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
+    p.add_argument("--tool-call-parser", choices=_choices("tool_call_parser"),
+                   help="how the model writes tool calls (default hermes: Qwen2.5/Qwen3 <tool_call> JSON)")
+    p.add_argument("--reasoning-parser", choices=_choices("reasoning_parser"),
+                   help="split <think>...</think> into reasoning_content (default none)")
+    p.add_argument("--log-level", choices=_choices("log_level"))
 
 
 def _spec_flag(p) -> None:
@@ -47,22 +90,22 @@ def _spec_flag(p) -> None:
 
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="run the OpenAI API: a local prefill + decode deployment (or --aggregated)",
-                       description="Run trnd on this machine: a prefill and a decode process on loopback with the OpenAI API on --port (or everything in one process with --aggregated). Flags override "
-                                   "values from --config.")
-    p.add_argument("--config", metavar="FILE", help="TOML file with ServeConfig fields (see configs/serve.toml)")
+                       description="Run trnd on this machine: a prefill and a decode process on loopback with the "
+                                   "OpenAI API on --port (or everything in one process with --aggregated). Flags "
+                                   "override values from --config; a flag the chosen mode cannot apply is refused.")
+    p.add_argument("--config", metavar="FILE", help="TOML file with LocalConfig fields, or ServeConfig fields with "
+                                                    "aggregated = true (see configs/serve.toml)")
     p.add_argument("--model", metavar="DIR", help="Hugging Face model directory, or a preset name (tiny, small) "
                                                   "made on first use; default: small")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, help="TCP port (default 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
-    _compute_flags(p)
+    _api_flags(p)
+    _engine_flags(p)
     _kv_events_flag(p)
     _remote_flag(p)
     p.add_argument("--aggregated", action="store_const", const=True,
                    help="one process (API + engine); default: a local prefill + decode deployment")
-    p.add_argument("--point", help="decode point of the local deployment (configs/points.toml; default 8k)")
-    _graph_flags(p)
-    _spec_flag(p)
+    p.add_argument("--max-model-len", type=int, help="max context per request (default: the model's, capped "
+                                                     "by the pool)")
+    p.add_argument("--point", help="local deployment: its roles' decode point (configs/points.toml; default 8k)")
     p.add_argument("--prefill", dest="num_prefill", type=int, metavar="N",
                    help="local deployment: N prefill servers (default 1); every decode server uses all of them")
     p.add_argument("--decode", dest="num_decode", type=int, metavar="M",
@@ -81,28 +124,11 @@ def _serve_parser(sub) -> None:
                    help="local deployment: the decode server prefills a prompt of at most N uncached tokens "
                         "itself (0: every prompt to the prefill server; default: 1000 while the roles share the "
                         "cores, else 0)")
-    p.add_argument("--transfer-backend", choices=["ucx", "libfabric"],
-                   help="NIXL backend for the KV handoff and L3 (default ucx; libfabric: the EFA path, its tcp "
-                        "provider elsewhere; both roles must name the same)")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree: ranks (processes) sharding the model "
-                                          "(default 1)")
-    p.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
-    p.add_argument("--kv-memory-gb", type=float, help="memory for the KV page pool (default 1.0)")
-    p.add_argument("--max-model-len", type=int, help="max context per request (default: the model's, capped "
-                                                     "by the pool)")
-    p.add_argument("--max-batch", type=int, help="max running requests (default 32)")
-    p.add_argument("--token-budget", type=int, help="tokens computed per engine step (default 512)")
-    p.add_argument("--chunk-size", type=int, help="max prefill tokens of one request per step (default 512)")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
-                   help="disable the radix prefix cache")
-    p.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
-    p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "none"],
-                   help="how the model writes tool calls (default hermes: Qwen2.5/Qwen3 <tool_call> JSON)")
-    p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1", "none"],
-                   help="split <think>...</think> into reasoning_content (default none)")
+    p.add_argument("--page-size", type=int, help="--aggregated: tokens per KV page (default 16)")
+    p.add_argument("--max-batch", type=int, help="--aggregated: max running requests (default 32)")
+    p.add_argument("--token-budget", type=int, help="--aggregated: tokens computed per engine step (default 512)")
+    p.add_argument("--chunk-size", type=int, help="--aggregated: max prefill tokens of one request per step "
+                                                  "(default 512)")
 
 
 def _json_object(text: str) -> dict:
@@ -137,24 +163,8 @@ def _role_flags(p) -> None:
     _remote_flag(p)
     p.add_argument("--model", metavar="DIR", help="Hugging Face model directory or preset name (tiny, small)")
     p.add_argument("--point", help="named decode point (configs/points.toml): both roles must use the same one")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree of this role")
-    _compute_flags(p)
-    p.add_argument("--kv-memory-gb", type=float, help="memory for this role's KV page pool (per rank)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads per rank")
+    _engine_flags(p)
     p.add_argument("--secret-file", help="file holding the control-plane shared secret")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False)
-    p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
-    p.add_argument("--store", action="append", metavar="HOST:PORT", help="L3: a remote KV store (repeatable)")
-    _graph_flags(p)
-    _spec_flag(p)
-    p.add_argument("--transfer-backend", choices=["ucx", "libfabric"],
-                   help="NIXL backend for the KV handoff and L3 (default ucx; libfabric: the EFA path, its tcp "
-                        "provider elsewhere; both roles must name the same)")
-    p.add_argument("--core-lock", metavar="FILE",
-                   help="roles on one node's cores: hold this file's lock per forward pass, taking turns "
-                        "(the same FILE in each; engine/corelock.py)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
 def _disagg_parsers(sub) -> None:
@@ -162,25 +172,22 @@ def _disagg_parsers(sub) -> None:
                        description="Run a prefill server: decode servers connect to --control-port and get prompt "
                                    "KV written into their page pools over NIXL.")
     _role_flags(p)
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--control-port", type=int, help="control-plane TCP port (default 8100)")
     p.add_argument("--admin-port", type=int, help="HTTP port for /health, /ready, /metrics, /admin (default 8101)")
     p.add_argument("--no-pipeline", dest="pipeline", action="store_const", const=False,
                    help="write a prompt's KV only after its last chunk (to measure what pipelining buys)")
+    p.add_argument("--log-level", choices=_choices("log_level"))
     d = sub.add_parser("decode", help="run a decode server (OpenAI API; prompts prefilled remotely)",
                        description="Run a decode server: the OpenAI API front that owns each request, with prompt KV "
                                    "computed by prefill servers (--prefill host:port, repeatable).")
     _role_flags(d)
-    d.add_argument("--port", type=int, help="OpenAI API port (default 8000)")
+    _api_flags(d)
+    d.add_argument("--max-model-len", type=int, help="max context per request (default: the point's)")
     d.add_argument("--prefill", action="append", metavar="HOST:PORT", help="a prefill server's control port")
     d.add_argument("--local-prefill-tokens", type=int, metavar="N",
                    help="prefill a prompt of at most N uncached tokens here instead of on a peer (0: none; "
                         "default: 1000 with --core-lock, else 0)")
-    d.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
-    d.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
-    d.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "none"],
-                   help="how the model writes tool calls (default hermes: Qwen2.5/Qwen3 <tool_call> JSON)")
-    d.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1", "none"],
-                   help="split <think>...</think> into reasoning_content (default none)")
 
 
 def _router_parser(sub) -> None:
@@ -195,12 +202,9 @@ def _router_parser(sub) -> None:
                    help="a decode server's HTTP address (repeatable; replaces the config's targets)")
     p.add_argument("--model", metavar="DIR", help="the targets' model dir or preset, to count prompt tokens exactly")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
-    p.add_argument("--policy", choices=["affinity", "random"],
+    p.add_argument("--policy", choices=_choices("policy"),
                    help="affinity (default): session, prefix, load; random: the session-unaware baseline for benchmarks")
-    p.add_argument("--kv-events", action="store_const", const=True,
-                   help="route prefixes on the targets' KV events (their real caches; needs --model and targets "
-                        "started with --kv-events-config) instead of the texts this router sent")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", choices=_choices("log_level"))
 
 
 def _model_parser(sub) -> None:
@@ -357,9 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def argv_source(role: str, cls: type, argv: list[str] | None = None) -> Callable[[], object] | None:
+def argv_source(role: str, load: Callable[[str | None, dict], object],
+                argv: list[str] | None = None) -> Callable[[], object] | None:
     """How to re-read this process's config: the command line it was started with, parsed again by the
-    same parser (so flags keep overriding the file). None when argv is not a `trnd <role>` command."""
+    same parser (so flags keep overriding the file) and loaded by `load(path, flags)`. None when argv is
+    not a `trnd <role>` command."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != role:
         return None
@@ -368,9 +374,7 @@ def argv_source(role: str, cls: type, argv: list[str] | None = None) -> Callable
     except SystemExit:
         return None
     flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
-    from trnd.config import load_config
-
-    return lambda: load_config(cls, args.config, flags)
+    return lambda: load(args.config, flags)
 
 
 # The commands that load a model or hold KV pages: started from the command line, they re-exec once with
@@ -412,39 +416,29 @@ def main(argv: list[str] | None = None) -> int:
     from trnd.procs import PortError
 
     try:
-        if args.cmd == "serve":
-            from trnd.config import ServeConfig, load_config
-            from trnd.log import setup_logging
-            from trnd.roles import serve
+        if args.cmd in ("serve", "prefill", "decode", "router"):
+            from functools import partial
 
-            flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
-            cfg = load_config(ServeConfig, args.config, flags)
-            _check_backend(cfg.backend)
-            setup_logging(cfg.log_level)
-            return serve.run(cfg, argv_source("serve", ServeConfig, argv))
-        if args.cmd in ("prefill", "decode"):
-            from trnd.config import DecodeConfig, PrefillConfig, load_config
+            from trnd.config import DecodeConfig, LocalConfig, PrefillConfig, RouterConfig, load_config, load_serve_config
             from trnd.log import setup_logging
-            from trnd.roles import decode, prefill
+            from trnd.roles import decode, local, prefill, router, serve
 
+            load = {"serve": load_serve_config, "prefill": partial(load_config, PrefillConfig),
+                    "decode": partial(load_config, DecodeConfig), "router": partial(load_config, RouterConfig)}[args.cmd]
             flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
-            cfg = load_config(PrefillConfig if args.cmd == "prefill" else DecodeConfig, args.config, flags)
-            _check_backend(cfg.backend)
-            try:
-                cfg.resolved_secret()
-            except (OSError, ValueError) as e:
-                raise ConfigError(str(e).replace("\n", " ")) from None
+            cfg = load(args.config, flags)
+            if args.cmd != "router":
+                _check_backend(cfg.engine.backend)
+            if args.cmd in ("prefill", "decode"):
+                try:
+                    cfg.resolved_secret()
+                except (OSError, ValueError) as e:
+                    raise ConfigError(str(e).replace("\n", " ")) from None
             setup_logging(cfg.log_level)
-            return (prefill if args.cmd == "prefill" else decode).run(cfg, argv_source(args.cmd, type(cfg), argv))
-        if args.cmd == "router":
-            from trnd.config import RouterConfig, load_config
-            from trnd.log import setup_logging
-            from trnd.roles import router
-
-            flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
-            cfg = load_config(RouterConfig, args.config, flags)
-            setup_logging(cfg.log_level)
-            return router.run(cfg, lambda: load_config(RouterConfig, args.config, flags))
+            run = {"prefill": prefill.run, "decode": decode.run, "router": router.run}.get(args.cmd)
+            if run is None:
+                run = local.run if isinstance(cfg, LocalConfig) else serve.run
+            return run(cfg, argv_source(args.cmd, load, argv))
         if args.cmd == "store":
             from trnd.roles import store
 

@@ -1,4 +1,13 @@
-"""Typed role configuration: one msgspec Struct per role, loaded from TOML, validated once at start.
+"""Typed role configuration: each role's msgspec Struct, composed from typed parts, loaded from TOML and
+validated once at start.
+
+The parts: `EngineKnobs` (what the engine is: dtype, TP, pool, graphs), `TierConfig` (L2 and L3 below the
+prefix cache), `HTTPConfig` (a front's port, key, limits and drain), `AdminPort` (the admin port of a role
+with no OpenAI front), `APIConfig` (the OpenAI routes' limits and parsers), `Shapes` (the aggregated
+server's own; a disaggregated role's come from its decode point) and `Deployment` (what only `trnd serve`'s
+supervisor reads). A role's config holds the parts it applies, so a flag a role or mode cannot apply is
+an unknown field: refused, never ignored. TOML and flags stay flat (`dtype = ...`, not `[engine]`):
+`load_config` files each key into its part, and errors name the flat field.
 
 Errors are one line naming the file and the field (msgspec's `- at $.field` path), so a bad config
 exits with EX_CONFIG and a message an operator can act on. Command-line flags override file values.
@@ -7,6 +16,8 @@ exits with EX_CONFIG and a message an operator can act on. Command-line flags ov
 from __future__ import annotations
 
 import os
+import re
+import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -16,6 +27,8 @@ from msgspec import Meta
 Port = Annotated[int, Meta(ge=0, le=65535)]
 Positive = Annotated[int, Meta(ge=1)]
 PageSize = Annotated[int, Meta(ge=1, le=4096)]
+Seconds = Annotated[float, Meta(gt=0)]
+LogLevel = Literal["debug", "info", "warning", "error"]
 TransferBackend = Literal["ucx", "libfabric"]
 
 
@@ -29,7 +42,8 @@ class StartupError(RuntimeError):
 
 class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's --kv-events-config (vllm/config/kv_events.py), key for key: the engine's prefix cache publishes
-    what it stores and drops (trnd/events). The same JSON works on `--kv-events-config` here and on vLLM."""
+    what it stores and drops (trnd/events). The same JSON works on `--kv-events-config` here and on vLLM; in
+    TOML it is a table, [kv_events]."""
     enable_kv_cache_events: bool = False
     publisher: Literal["null", "zmq"] | None = None  # None: zmq when enabled
     endpoint: str | None = None  # PUB; None: tcp://<the role's host>:0 (an ephemeral port, in /admin/state)
@@ -47,166 +61,19 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
 
 
-class RemoteConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The L3 tier's backend: `trnd store`s (their addresses in `store`) or Mooncake Store (store/mooncake.py)."""
-    backend: Literal["trnd", "mooncake"] = "trnd"
-    master: str = "127.0.0.1:50051"  # mooncake_master's --rpc_address:--rpc_port
-    metadata_server: str = "http://127.0.0.1:8080/metadata"  # its HTTP metadata server, or P2PHANDSHAKE, etcd://...
-    protocol: Literal["tcp", "rdma", "efa"] = "tcp"
-    device: str = ""  # RDMA/EFA devices ("" for tcp)
-    local_hostname: str = "127.0.0.1"  # how the other clients reach this one's segment
-    # memory this process lends to the store's pool; 0: none, the pages live on store nodes (`mooncake_client`),
-    # so they outlive this role (a role's own segment, and the pages in it, go when it stops)
-    segment_gb: Annotated[float, Meta(ge=0)] = 0.0
-    buffer_gb: Annotated[float, Meta(gt=0)] = 0.125  # this client's staging buffer
+class Part(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A typed part of a role's config; its fields are flat keys in TOML and flags."""
 
 
-class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """vLLM's --speculative-config (engine/spec/): the same JSON on `trnd serve`, `trnd decode` and `trnd prefill`,
-    or a [speculative_config] table in a role's TOML. Part of the decode-point contract: a prefill peer and a
-    decode server with different ones are refused at the handshake, naming the field."""
-    method: Literal["ngram", "draft", "draft_model", "mtp"]  # draft_model: vLLM's name for draft
-    num_speculative_tokens: Annotated[int, Meta(ge=1, le=16)]  # K: tokens drafted per step and verified in one forward
-    model: str | None = None  # the draft checkpoint (method draft): a directory or preset, the target's tokenizer
-    prompt_lookup_min: Annotated[int, Meta(ge=1)] | None = None  # ngram: shortest suffix looked up (default: max's, or 5)
-    prompt_lookup_max: Annotated[int, Meta(ge=1)] | None = None  # ngram: longest suffix looked up (default: min's, or 5)
-    disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = None  # no drafting while this many requests run
-
-    def __post_init__(self):
-        if self.method == "draft_model":
-            self.method = "draft"
-        if self.method == "ngram":  # vLLM's defaults: both 5, or the one given for both
-            self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max or 5
-            self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
-            if self.prompt_lookup_min > self.prompt_lookup_max:
-                raise msgspec.ValidationError(
-                    f"speculative_config.prompt_lookup_min = {self.prompt_lookup_min} is above prompt_lookup_max = "
-                    f"{self.prompt_lookup_max} - at `$.speculative_config.prompt_lookup_min`")
-        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-            raise msgspec.ValidationError(f"speculative_config.prompt_lookup_min/max apply to method 'ngram', not "
-                                          f"{self.method!r} - at `$.speculative_config.method`")
-        if self.method == "draft" and not self.model:
-            raise msgspec.ValidationError("speculative_config.method = 'draft' needs model (the draft checkpoint's "
-                                          "directory or a preset) - at `$.speculative_config.model`")
-        if self.method in ("ngram", "mtp") and self.model:
-            raise msgspec.ValidationError(f"speculative_config.model is the draft checkpoint of method 'draft'; "
-                                          f"{self.method!r} takes none - at `$.speculative_config.model`")
-
-    def contract(self) -> dict:
-        """What a prefill peer and a decode server must agree on (the handshake compares it)."""
-        return {f: getattr(self, f) for f in ("method", "num_speculative_tokens", "model", "prompt_lookup_min",
-                                              "prompt_lookup_max")}
+def _invalid(field: str, why: str) -> msgspec.ValidationError:
+    return msgspec.ValidationError(f"{why} - at `$.{field}`")
 
 
-def parse_speculative_config(text: str) -> dict:
-    """--speculative-config's JSON text -> the table load_config validates (ConfigError: one line)."""
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"speculative_config: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"speculative_config: expected a JSON object like "
-                          f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}', got {text!r}")
+def _read(field: str, value: str | None, file: str | None) -> str | None:
+    """A key given inline or (preferred) in a file, e.g. $CREDENTIALS_DIRECTORY/api_key under systemd."""
+    if file:
+        return read_key_file(f"{field}_file", file).decode()
     return value
-
-
-class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The aggregated server (`trnd serve`): one process owning model, scheduler and HTTP front."""
-    model: str | None = None  # None: the embedded default (a tiny model made on first use)
-    host: str = "127.0.0.1"
-    port: Port = 8000
-    api_key: str | None = None  # None: open; else required on /v1/* and /admin/*
-    api_key_file: str | None = None  # e.g. $CREDENTIALS_DIRECTORY/api_key under systemd
-    dtype: str = "auto"  # auto: the checkpoint's, or float32 on a CPU without native bf16 (backends/cpu.py)
-    kv_cache_dtype: str = "auto"  # auto: KV in the compute dtype; fp8_e4m3 | fp8_e5m2: fp8 pages + scales
-    backend: str = "cpu"
-    tp: Annotated[int, Meta(ge=1, le=64)] = 1  # tensor-parallel ranks (processes)
-    page_size: PageSize = 16
-    kv_memory_gb: Annotated[float, Meta(gt=0)] = 1.0
-    num_pages: Positive | None = None
-    max_model_len: Positive | None = None
-    max_batch: Positive = 32
-    token_budget: Positive = 512
-    chunk_size: Positive = 512
-    prefix_cache: bool = True
-    max_requests: Positive = 1024  # in flight; beyond this new requests get 503 + Retry-After
-    max_body_bytes: Positive = 4 * 2**20
-    max_n: Annotated[int, Meta(ge=1, le=128)] = 16
-    max_stop: Positive = 4  # stop sequences per request (OpenAI's limit)
-    max_stop_chars: Positive = 1024  # their total length
-    max_logit_bias: Positive = 300  # logit_bias entries per request (each is added to the logits every step)
-    max_stop_token_ids: Positive = 128  # stop_token_ids per request (each new token is looked up among them)
-    # A request's grammar (response_format, structured_outputs, tool schemas; api/structured.py): its text, a
-    # schema's JSON nesting, and the time its compile may take on a worker thread. Past each: 400 naming it.
-    max_grammar_chars: Positive = 262_144
-    max_grammar_depth: Positive = 64
-    grammar_compile_s: Annotated[float, Meta(gt=0)] = 10.0
-    max_job_tokens: Positive | None = None  # n x (prompt + max_tokens) of one request; None: no cap
-    max_header_bytes: Positive = 64 * 2**10  # request line + headers; beyond: 431
-    header_timeout_s: Annotated[float, Meta(gt=0)] = 10.0  # the headers must be in by then, or the connection is closed
-    served_model_name: str | None = None
-    threads: Positive | None = None
-    log_level: str = "info"
-    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
-    kv_events: KVEventsConfig | None = None  # KV events in vLLM's format (trnd/events); None: off
-    remote: RemoteConfig | None = None  # the L3 backend; None: `trnd store`s at `store`
-    # An OpenAI request that arrives before the server can serve it (starting, or a decode server with no
-    # prefill peer) is held this long, then answered 503 with Retry-After.
-    ready_hold_s: Annotated[float, Meta(ge=0)] = 30.0
-    host_cache_gb: Annotated[float, Meta(ge=0)] = 0.0  # L2: evicted prefix pages kept in host DRAM; 0 = off
-    host_policy: str = "write-back"  # write-back (on eviction) or write-through (on finish)
-    node_host_memory_gb: Annotated[float, Meta(gt=0)] | None = None  # budget shared by all trnd processes
-    store: list[str] = msgspec.field(default_factory=list)  # L3 remote KV stores, host:port; [] = off
-    store_on_finish: bool = True  # write finished requests' full pages to L3 (sessions across roles)
-    store_deadline_s: Annotated[float, Meta(gt=0)] = 1.0  # a slower store is a cache miss
-    secret: str | None = None  # control-plane secret (prefill peers, stores); prefer secret_file
-    secret_file: str | None = None
-    aggregated: bool = False  # serve only: one process instead of a local prefill + decode deployment
-    point: str = "8k"  # decode point of the local deployment's roles
-    # Local deployment: fixed ports for its children (None: a free port each, picked at start and printed).
-    prefill_control_port: Port | None = None  # the first prefill server's; the i-th takes port + i
-    prefill_admin_port: Port | None = None  # likewise (its /health, /ready, /metrics, /admin)
-    # Local deployment: its roles take turns on the cores, one forward pass at a time (engine/corelock.py).
-    share_cores: bool = True
-    decode_port: Port | None = None  # with num_decode > 1: the first decode server's API port (the router has `port`)
-    num_prefill: Annotated[int, Meta(ge=1, le=16)] = 1  # local deployment: prefill servers (--prefill N)
-    num_decode: Annotated[int, Meta(ge=1, le=16)] = 1  # decode servers (--decode M); > 1: `trnd router` on port
-    router_policy: str = "affinity"  # the local router's policy (affinity; random for benchmarks)
-    # How this model writes tool calls and reasoning (docs/API.md); "none" turns a parser off.
-    tool_call_parser: str = "hermes"  # hermes (Qwen2.5/Qwen3, the default model) | llama3_json | none
-    reasoning_parser: str = "none"  # qwen3 | deepseek_r1 | none
-    static: bool = False  # every step padded to the point's buckets, one compiled graph each (engine/static.py)
-    compile_cache: str | None = None  # a `trnd compile` output dir: its graphs are loaded, none compiled (implies static)
-    compile_decode: bool = False  # CPU: decode-only steps as one inductor graph, compiled at start (engine/compiled.py)
-    # A file every role on this node's cores locks around each forward pass, so they take turns instead of
-    # oversubscribing the cores (engine/corelock.py); `trnd serve` sets one for its roles. None: off.
-    core_lock: str | None = None
-    # Decode role (conditional disaggregation, as Dynamo's max_local_prefill_length): a new prompt with at
-    # most this many tokens past this server's own prefix-cache hit is prefilled here, mixed into the decode
-    # steps, instead of handed to a prefill peer (roles/decode.py). 0: every prompt to a peer. None (auto):
-    # roles/decode.py's LOCAL_PREFILL_SHARED_CORES where the roles take turns on this node's cores (core_lock
-    # set), else 0.
-    local_prefill_tokens: Annotated[int, Meta(ge=0)] | None = None
-    # The NIXL backend that moves KV pages between roles and to L3 stores: "ucx", or "libfabric" (EFA's
-    # path; its tcp provider elsewhere). Both ends must name the same one (the handshake refuses a
-    # mismatch); transfer/backends.py says what libfabric needs.
-    transfer_backend: TransferBackend = "ucx"
-    speculative_config: SpeculativeConfig | None = None  # vLLM's --speculative-config (engine/spec/); None: off
-
-    def __post_init__(self):
-        _check_common(self)
-
-    def resolved_secret_optional(self) -> bytes | None:
-        if self.secret_file:
-            return read_key_file("secret_file", self.secret_file)
-        return self.secret.encode() if self.secret else None
-
-    def resolved_api_key(self) -> str | None:
-        if self.api_key_file:
-            return read_key_file("api_key_file", self.api_key_file).decode()
-        return self.api_key
 
 
 # Keys given inline; each has a `<name>_file` twin. An empty one would turn authentication off (a key of ""
@@ -234,9 +101,8 @@ def read_key_file(field: str, path: str) -> bytes:
 
 
 def _check_files(cfg) -> None:
-    """Every `*_file` field read now (one line naming it, never a traceback later), every key non-empty."""
-    for field in cfg.__struct_fields__:
-        value = getattr(cfg, field)
+    """Every `*_file` setting read now (one line naming it, never a traceback later), every key non-empty."""
+    for field, value in flat(cfg).items():
         if field.endswith("_file") and value is not None:
             try:
                 read_key_file(field, value)
@@ -246,180 +112,278 @@ def _check_files(cfg) -> None:
             raise msgspec.ValidationError(f"{field} is empty: unset it to run without a key - at `$.{field}`")
 
 
-def _check_common(cfg) -> None:
-    """Choices msgspec's type system does not express, named like msgspec names its errors."""
-    choices = {"log_level": ("debug", "info", "warning", "error"), "dtype": ("auto", "bfloat16", "float32", "float16"),
-               "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
-               "host_policy": ("write-back", "write-through"), "backend": ("cpu", "cuda", "neuron"),
-               "router_policy": ("affinity", "random"), "policy": ("affinity", "random"),
-               "tool_call_parser": ("hermes", "llama3_json", "none"), "reasoning_parser": ("qwen3", "deepseek_r1", "none")}
-    point = getattr(cfg, "point", None)
-    if point is not None:
-        from trnd.points import load_points
+# -- the parts ----------------------------------------------------------------------------------------
 
-        try:
-            known = load_points()
-        except ValueError as e:  # a broken points file: its own message names the file and field
-            raise msgspec.ValidationError(f"{e} - at `$.point`") from None
-        if point not in known:
-            raise msgspec.ValidationError(f"point = {point!r} is not a known decode point (known: "
-                                          f"{', '.join(sorted(known))}) - at `$.point`")
-    _check_static(cfg)
-    _check_files(cfg)
-    lock = getattr(cfg, "core_lock", None)
-    if lock is not None and not os.path.isdir(os.path.dirname(os.path.abspath(lock))):
-        raise msgspec.ValidationError(f"core_lock = {lock!r}: its directory does not exist - at `$.core_lock`")
-    for field, allowed in choices.items():
-        if field not in cfg.__struct_fields__:  # each role's config has its own subset
-            continue
-        value = getattr(cfg, field)
-        if field == "log_level" and isinstance(value, str):
-            value = value.lower()
-        if value not in allowed:
-            shown = ", ".join(str(a) for a in allowed if a is not None)
-            raise msgspec.ValidationError(f"{field} = {value!r} is not one of {shown} - at `$.{field}`")
-
-
-def _check_static(cfg) -> None:
-    """The static path runs one rank on model-dtype pages (engine/static.py); a compile cache is its graphs.
-    compile_decode (engine/compiled.py) likewise, on the CPU, and not beside the static path."""
-    if "static" not in cfg.__struct_fields__:
-        return
-    static = cfg.static or cfg.compile_cache is not None
-    field = "static" if cfg.static else "compile_cache"
-    if static and cfg.tp > 1:
-        raise msgspec.ValidationError(f"{field} runs one rank: tp = {cfg.tp} must be 1 - at `$.{field}`")
-    if static and cfg.kv_cache_dtype != "auto":
-        raise msgspec.ValidationError(f"{field} keeps KV in the model dtype: kv_cache_dtype = {cfg.kv_cache_dtype!r} "
-                                      f"runs on the eager path - at `$.{field}`")
-    why = compile_decode_conflict(cfg.compile_decode, cfg.backend, cfg.tp, static, cfg.kv_cache_dtype)
-    if why:
-        raise msgspec.ValidationError(f"{why} - at `$.compile_decode`")
-
-
-def compile_decode_conflict(on: bool, backend: str, tp: int, static: bool, kv_cache_dtype: str) -> str | None:
-    """Why compile_decode (engine/compiled.py: one CPU rank, model-dtype pages, not beside the static path)
-    cannot run with these settings; None when it can. Role configs and EngineConfig both ask."""
-    if not on:
-        return None
-    for bad, why in ((backend != "cpu", f"backend = {backend!r} (it compiles for the CPU)"),
-                     (tp > 1, f"tp = {tp} (it runs one rank)"),
-                     (static, "static (the static path compiles every step already)"),
-                     (kv_cache_dtype != "auto", f"kv_cache_dtype = {kv_cache_dtype!r} (it reads model-dtype pages)")):
-        if bad:
-            return f"compile_decode does not go with {why}"
+def engine_conflict(*, static: bool, compile_cache: str | None, compile_decode: bool, tp: int, backend: str,
+                    kv_cache_dtype: str) -> tuple[str, str] | None:
+    """(field, why) when these engine settings cannot run together, else None: the static path (and a compile
+    cache, its graphs) runs one rank on model-dtype pages (engine/static.py); compile_decode
+    (engine/compiled.py) one CPU rank on model-dtype pages, not beside the static path. The one place these
+    rules live: role configs (EngineKnobs) and the engine (engine/build.py EngineConfig) both ask."""
+    static_on = static or compile_cache is not None
+    field = "static" if static else "compile_cache"
+    if static_on and tp > 1:
+        return field, f"{field} runs one rank: tp = {tp} must be 1"
+    if static_on and kv_cache_dtype != "auto":
+        return field, f"{field} keeps KV in the model dtype: kv_cache_dtype = {kv_cache_dtype!r} runs on the eager path"
+    if compile_decode:
+        for bad, why in ((backend != "cpu", f"backend = {backend!r} (it compiles for the CPU)"),
+                         (tp > 1, f"tp = {tp} (it runs one rank)"),
+                         (static_on, "static (the static path compiles every step already)"),
+                         (kv_cache_dtype != "auto", f"kv_cache_dtype = {kv_cache_dtype!r} (it reads model-dtype pages)")):
+            if bad:
+                return "compile_decode", f"compile_decode does not go with {why}"
     return None
 
 
-def load_config(cls: type[msgspec.Struct], path: str | Path | None, overrides: dict | None = None):
-    """Read TOML (if given), apply non-None overrides, validate. Raises ConfigError (one line)."""
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            data = msgspec.toml.decode(p.read_bytes())
-        except FileNotFoundError:
-            raise ConfigError(f"{p}: config file not found") from None
-        except msgspec.DecodeError as e:
-            raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    if isinstance(data.get("speculative_config"), str):  # vLLM's JSON text, from the flag or a TOML string
-        data["speculative_config"] = parse_speculative_config(data["speculative_config"])
-    try:
-        return msgspec.convert(data, cls)
-    except msgspec.ValidationError as e:
-        where = f"{path}: " if path else ""
-        raise ConfigError(f"{where}{e}".replace("\n", " ")) from None
-
-
-class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields every disaggregated role has. The decode point fixes page size, max context, max batch
-    and prefill chunk: both roles must name the same one."""
-    model: str | None = None
-    point: str = "8k"
-    dtype: str = "auto"  # auto: the checkpoint's, or float32 on a CPU without native bf16 (backends/cpu.py)
-    kv_cache_dtype: str = "auto"  # auto: KV in the compute dtype; fp8_e4m3 | fp8_e5m2: fp8 pages + scales
-    backend: str = "cpu"
-    tp: Annotated[int, Meta(ge=1, le=64)] = 1
+class EngineKnobs(Part):
+    """What the engine is, on every role that runs one. A new engine flag is a field here and a flag in
+    cli.py `_engine_flags`; engine/build.py EngineConfig.from_role takes it over."""
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"  # auto: the checkpoint's, or float32 on a CPU without native bf16
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # fp8: fp8 pages + scales
+    backend: Literal["cpu", "cuda", "neuron"] = "cpu"
+    tp: Annotated[int, Meta(ge=1, le=64)] = 1  # tensor-parallel ranks (processes)
+    threads: Positive | None = None  # torch intra-op threads (per rank)
     kv_memory_gb: Annotated[float, Meta(gt=0)] = 1.0
     prefix_cache: bool = True
-    threads: Positive | None = None
-    secret: str | None = None  # control-plane shared secret (prefer secret_file)
-    secret_file: str | None = None  # e.g. ${CREDENTIALS_DIRECTORY}/control_secret under systemd
-    log_level: str = "info"
-    host_cache_gb: Annotated[float, Meta(ge=0)] = 0.0
-    host_policy: str = "write-back"
-    node_host_memory_gb: Annotated[float, Meta(gt=0)] | None = None
-    store: list[str] = msgspec.field(default_factory=list)  # L3 remote KV stores, host:port; [] = off
-    store_on_finish: bool = True  # write finished requests' full pages to L3 (sessions across roles)
-    store_deadline_s: Annotated[float, Meta(gt=0)] = 1.0  # a slower store is a cache miss
     static: bool = False  # every step padded to the point's buckets, one compiled graph each (engine/static.py)
     compile_cache: str | None = None  # a `trnd compile` output dir: its graphs are loaded, none compiled (implies static)
-    compile_decode: bool = False  # as ServeConfig.compile_decode
-    core_lock: str | None = None  # as ServeConfig.core_lock
-    transfer_backend: TransferBackend = "ucx"  # as ServeConfig.transfer_backend
-    remote: RemoteConfig | None = None  # as ServeConfig.remote
-    speculative_config: SpeculativeConfig | None = None  # as ServeConfig.speculative_config (the contract's)
+    compile_decode: bool = False  # CPU: decode-only steps as one inductor graph, compiled at start (engine/compiled.py)
+    # A file every role on this node's cores locks around each forward pass, so they take turns instead of
+    # oversubscribing the cores (engine/corelock.py); `trnd serve` sets one for its roles. None: off.
+    core_lock: str | None = None
+    # The NIXL backend that moves KV pages between roles and to L3 stores: "ucx", or "libfabric" (EFA's
+    # path; its tcp provider elsewhere). Both ends must name the same one (the handshake refuses a
+    # mismatch); transfer/backends.py says what libfabric needs.
+    transfer_backend: TransferBackend = "ucx"
 
     def __post_init__(self):
-        _check_common(self)
+        bad = engine_conflict(static=self.static, compile_cache=self.compile_cache, compile_decode=self.compile_decode,
+                              tp=self.tp, backend=self.backend, kv_cache_dtype=self.kv_cache_dtype)
+        if bad is not None:
+            raise _invalid(*bad)
+        lock = self.core_lock
+        if lock is not None and not os.path.isdir(os.path.dirname(os.path.abspath(lock))):
+            raise _invalid("core_lock", f"core_lock = {lock!r}: its directory does not exist")
 
-    def resolved_secret(self) -> bytes:
-        if self.secret_file:
-            return read_key_file("secret_file", self.secret_file)
-        if self.secret:
-            return self.secret.encode()
-        raise msgspec.ValidationError("no control-plane secret: set secret_file (or secret) - at `$.secret_file`")
+
+class TierConfig(Part):
+    """The tiers below the prefix cache: L2 host DRAM, L3 remote stores (trnd/cache/tiers.py)."""
+    host_cache_gb: Annotated[float, Meta(ge=0)] = 0.0  # L2: evicted prefix pages kept in host DRAM; 0 = off
+    host_policy: Literal["write-back", "write-through"] = "write-back"  # on eviction, or on finish
+    node_host_memory_gb: Annotated[float, Meta(gt=0)] | None = None  # budget shared by all trnd processes
+    store: list[str] = msgspec.field(default_factory=list)  # L3 remote KV stores, host:port; [] = off
+    store_on_finish: bool = True  # write finished requests' full pages to L3 (sessions across roles)
+    store_deadline_s: Seconds = 1.0  # a slower store is a cache miss
 
 
-class PrefillConfig(RoleConfig, kw_only=True):
-    host: str = "127.0.0.1"
+class HTTPConfig(Part):
+    """An HTTP front's port (serve, decode, router): where it listens, its key and its limits."""
+    host: str = "127.0.0.1"  # every listener of the role binds here (loopback by default)
+    port: Port = 8000
+    api_key: str | None = None  # None: open; else required on /v1/* and /admin/*
+    api_key_file: str | None = None  # e.g. $CREDENTIALS_DIRECTORY/api_key under systemd
+    max_body_bytes: Positive = 4 * 2**20
+    max_header_bytes: Positive = 64 * 2**10  # request line + headers; beyond: 431
+    header_timeout_s: Seconds = 10.0  # the headers must be in by then, or the connection is closed
+    # A request that arrives before the server can serve it (starting, a decode server with no prefill peer,
+    # a router with no healthy target) is held this long, then answered 503 with Retry-After.
+    ready_hold_s: Annotated[float, Meta(ge=0)] = 30.0
+    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0  # SIGTERM: in-flight requests may finish this long
+
+    def resolved_api_key(self) -> str | None:
+        return _read("api_key", self.api_key, self.api_key_file)
+
+
+class AdminPort(Part):
+    """The HTTP port of a role with no OpenAI front (prefill, store): probes, /metrics, /admin."""
+    host: str = "127.0.0.1"  # every listener of the role binds here (loopback by default)
+    admin_port: Port = 8101
     api_key: str | None = None  # for /admin/* on the admin port
     api_key_file: str | None = None
-    control_port: Port = 8100  # decode servers connect here (msgspec + HMAC frames)
-    admin_port: Port = 8101  # /health, /ready, /metrics, /admin/state
-    pipeline: bool = True  # write each chunk's pages while the next computes; False: all at the end (benchmarks)
-    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0  # SIGTERM: in-flight prefills may finish this long
-    kv_events: KVEventsConfig | None = None  # as ServeConfig.kv_events: prefill's cache (the prefill leg's routes)
+    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0  # SIGTERM: in-flight work may finish this long
 
-    resolved_api_key = ServeConfig.resolved_api_key
+    def resolved_api_key(self) -> str | None:
+        return _read("api_key", self.api_key, self.api_key_file)
 
 
-class DecodeConfig(ServeConfig, kw_only=True):
+class APIConfig(Part):
+    """The OpenAI routes (serve, decode): admission and per-request limits, how replies are parsed."""
+    served_model_name: str | None = None
+    max_requests: Positive = 1024  # in flight; beyond this new requests get 503 + Retry-After
+    max_n: Annotated[int, Meta(ge=1, le=128)] = 16
+    max_stop: Positive = 4  # stop sequences per request (OpenAI's limit)
+    max_stop_chars: Positive = 1024  # their total length
+    max_logit_bias: Positive = 300  # logit_bias entries per request (each is added to the logits every step)
+    max_stop_token_ids: Positive = 128  # stop_token_ids per request (each new token is looked up among them)
+    max_job_tokens: Positive | None = None  # n x (prompt + max_tokens) of one request; None: no cap
+    # How this model writes tool calls and reasoning (docs/API.md); "none" turns a parser off.
+    tool_call_parser: Literal["hermes", "llama3_json", "none"] = "hermes"  # hermes: Qwen2.5/Qwen3, the default model
+    reasoning_parser: Literal["qwen3", "deepseek_r1", "none"] = "none"
+
+
+class Shapes(Part):
+    """The aggregated server's step shapes; a disaggregated role's come from its decode point."""
+    page_size: PageSize = 16
+    num_pages: Positive | None = None  # None: what kv_memory_gb holds
+    max_model_len: Positive | None = None  # None: the model's, capped by the pool
+    max_batch: Positive = 32
+    token_budget: Positive = 512
+    chunk_size: Positive = 512
+
+
+class Deployment(Part):
+    """What only `trnd serve`'s supervisor reads (roles/local.py): how many servers, their ports."""
+    num_prefill: Annotated[int, Meta(ge=1, le=16)] = 1  # prefill servers (--prefill N)
+    num_decode: Annotated[int, Meta(ge=1, le=16)] = 1  # decode servers (--decode M); > 1: `trnd router` on port
+    # Fixed ports for the children (None: a free port each, picked at start and printed).
+    prefill_control_port: Port | None = None  # the first prefill server's; the i-th takes port + i
+    prefill_admin_port: Port | None = None  # likewise (its /health, /ready, /metrics, /admin)
+    decode_port: Port | None = None  # with num_decode > 1: the first decode server's API port (the router has `port`)
+    # The roles take turns on the cores, one forward pass at a time (engine/corelock.py).
+    share_cores: bool = True
+    router_policy: Literal["affinity", "random"] = "affinity"  # the local router's (random: benchmarks)
+
+
+def _check_point(point: str) -> None:
+    from trnd.points import load_points
+
+    try:
+        known = load_points()
+    except ValueError as e:  # a broken points file: its own message names the file and field
+        raise _invalid("point", str(e)) from None
+    if point not in known:
+        raise _invalid("point", f"point = {point!r} is not a known decode point (known: {', '.join(sorted(known))})")
+
+
+# -- the roles --------------------------------------------------------------------------------------
+
+class Secret:
+    """The control-plane shared secret (`secret`, or preferably `secret_file`) of a role that talks to peers
+    or stores."""
+    __slots__ = ()
+
+    def resolved_secret_optional(self) -> bytes | None:
+        if self.secret_file:
+            return read_key_file("secret_file", self.secret_file)
+        return self.secret.encode() if self.secret else None
+
+    def resolved_secret(self) -> bytes:
+        got = self.resolved_secret_optional()
+        if not got:
+            raise _invalid("secret_file", "no control-plane secret: set secret_file (or secret)")
+        return got
+
+
+class ServeConfig(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=True):
+    """`trnd serve --aggregated`: one process owning model, scheduler and HTTP front."""
+    model: str | None = None  # None: the embedded default (a small model made on first use)
+    log_level: LogLevel = "info"
+    secret: str | None = None  # control-plane secret of the stores (L3); prefer secret_file
+    secret_file: str | None = None
+    kv_events: KVEventsConfig | None = None  # KV events in vLLM's format (trnd/events); None: off
+    http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
+    api: APIConfig = msgspec.field(default_factory=APIConfig)
+    engine: EngineKnobs = msgspec.field(default_factory=EngineKnobs)
+    tiers: TierConfig = msgspec.field(default_factory=TierConfig)
+    shapes: Shapes = msgspec.field(default_factory=Shapes)
+
+    def __post_init__(self):
+        _check_files(self)
+        if self.engine.compile_cache is not None:
+            raise _invalid("compile_cache", "compile_cache holds a decode point's graphs: it serves the prefill and "
+                                            "decode roles (trnd serve without --aggregated); --aggregated takes "
+                                            "--static alone")
+
+
+class LocalConfig(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=True):
+    """`trnd serve`: a local deployment, prefill and decode servers (and a router) on loopback under one
+    supervisor (roles/local.py). Its roles' shapes come from the decode point."""
+    model: str | None = None
+    log_level: LogLevel = "info"
+    secret: str | None = None  # shared with stores the operator runs; None: a fresh one for the children
+    secret_file: str | None = None
+    point: str = "8k"  # decode point of the deployment's roles
+    max_model_len: Positive | None = None  # below the point's max context (the decode servers')
+    local_prefill_tokens: Annotated[int, Meta(ge=0)] | None = None  # as DecodeConfig's
+    http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
+    api: APIConfig = msgspec.field(default_factory=APIConfig)
+    engine: EngineKnobs = msgspec.field(default_factory=EngineKnobs)
+    tiers: TierConfig = msgspec.field(default_factory=TierConfig)
+    deploy: Deployment = msgspec.field(default_factory=Deployment)
+
+    def __post_init__(self):
+        _check_point(self.point)
+        _check_files(self)
+
+
+class DecodeConfig(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=True):
+    """`trnd decode`: the OpenAI front that owns each request; its prompts' KV comes from prefill peers."""
+    model: str | None = None
+    log_level: LogLevel = "info"
+    secret: str | None = None  # control-plane shared secret (prefer secret_file)
+    secret_file: str | None = None  # e.g. ${CREDENTIALS_DIRECTORY}/control_secret under systemd
+    point: str = "8k"  # fixes page size, max context, max batch and prefill chunk: the peers' must match
+    max_model_len: Positive | None = None  # below the point's max context
     prefill: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8100"])  # host:port of prefill peers
-    heartbeat_s: Annotated[float, Meta(gt=0)] = 1.0
-    # No frame for this long (three missed heartbeats): the peer is lost, whether it died or hangs (SIGSTOP).
-    peer_timeout_s: Annotated[float, Meta(gt=0)] = 3.0
-    # With no prefill peer left (every one lost after the first handshake), prefill every prompt here instead of
-    # holding requests for ready_hold_s and answering 503; a peer that comes back is used again at once.
-    local_fallback: bool = True
+    heartbeat_s: Seconds = 1.0
+    peer_timeout_s: Seconds = 3.0  # no frame for this long: the peer is dead
     fence_s: Annotated[float, Meta(ge=0)] = 2.0  # after losing a peer, its target pages rest this long
     prefill_retries: Annotated[int, Meta(ge=0)] = 1
     # A request's KV must have landed this long after it was sent to a prefill peer, or it fails with
     # 504; prefill posts no write for it after that (roles/decode.py, transfer/protocol.PrefillReq).
-    handoff_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
+    handoff_timeout_s: Seconds = 60.0
     # A prompt whose KV would take longer to cross the link to a prefill peer than to compute is computed here
     # (the link's rate and the peer's compute measured on earlier handoffs: transfer/linkrate.py).
     local_when_link_slower: bool = True
+    # Conditional disaggregation (Dynamo's max_local_prefill_length): a new prompt with at most this many
+    # tokens past this server's own prefix-cache hit is prefilled here, mixed into the decode steps, instead
+    # of handed to a prefill peer (roles/decode.py). 0: every prompt to a peer. None (auto): roles/decode.py's
+    # LOCAL_PREFILL_SHARED_CORES where the roles take turns on this node's cores (core_lock set), else 0.
+    local_prefill_tokens: Annotated[int, Meta(ge=0)] | None = None
+    kv_events: KVEventsConfig | None = None  # KV events in vLLM's format (trnd/events); None: off
+    http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
+    api: APIConfig = msgspec.field(default_factory=APIConfig)
+    engine: EngineKnobs = msgspec.field(default_factory=EngineKnobs)
+    tiers: TierConfig = msgspec.field(default_factory=TierConfig)
 
-    resolved_secret = RoleConfig.resolved_secret
+    def __post_init__(self):
+        _check_point(self.point)
+        _check_files(self)
+
+
+class PrefillConfig(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=True):
+    """`trnd prefill`: a KV factory for decode servers, with an admin port."""
+    model: str | None = None
+    log_level: LogLevel = "info"
+    secret: str | None = None
+    secret_file: str | None = None
+    point: str = "8k"  # as DecodeConfig's: both roles must name the same one
+    control_port: Port = 8100  # decode servers connect here (msgspec + HMAC frames)
+    pipeline: bool = True  # write each chunk's pages while the next computes; False: all at the end (benchmarks)
+    kv_events: KVEventsConfig | None = None  # as DecodeConfig's: prefill's cache (the prefill leg's routes)
+    http: AdminPort = msgspec.field(default_factory=AdminPort)
+    engine: EngineKnobs = msgspec.field(default_factory=EngineKnobs)
+    tiers: TierConfig = msgspec.field(default_factory=TierConfig)
+
+    def __post_init__(self):
+        _check_point(self.point)
+        _check_files(self)
+        if self.engine.compile_decode:
+            raise _invalid("compile_decode", "compile_decode speeds up decode steps: a prefill server runs none")
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """`trnd router`: the OpenAI front of a deployment with several decode servers (trnd/router/)."""
-    host: str = "127.0.0.1"
-    port: Port = 8000
     targets: list[str] = msgspec.field(default_factory=list)  # decode servers' HTTP host:port
-    api_key: str | None = None  # required of the router's clients on /v1 and /admin
-    api_key_file: str | None = None
     target_api_key: str | None = None  # sent to the targets; None: the client's Authorization header as given
     target_api_key_file: str | None = None
     model: str | None = None  # the targets' model dir (or preset): counts prompt tokens exactly; None: bytes
-    probe_s: Annotated[float, Meta(gt=0)] = 1.0  # /ready probe period per target
-    probe_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
+    probe_s: Seconds = 1.0  # /ready probe period per target
+    probe_timeout_s: Seconds = 2.0
     fail_after: Positive = 2  # consecutive failed probes that take a target out
-    connect_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
-    request_timeout_s: Annotated[float, Meta(gt=0)] = 600.0  # no byte from a target this long: the request ends
+    connect_timeout_s: Seconds = 2.0
+    request_timeout_s: Seconds = 600.0  # no byte from a target this long: the request ends
     retries: Annotated[int, Meta(ge=0, le=4)] = 1  # a request not yet streaming is retried on another target
     prefix_block_chars: Positive = 256  # prefix affinity: the router hashes prompts in blocks of this many chars
     prefix_entries: Positive = 200_000  # block hashes remembered (LRU; ~141 bytes each: 28 MB at most)
@@ -428,54 +392,164 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # longer prompt's count is the tokenized part's, scaled by length (the target checks the exact count).
     max_tokenize_chars: Positive = 262_144
     prefix_load_slack: Annotated[int, Meta(ge=0)] = 4  # a prefix target may carry this many more in flight
-    policy: str = "affinity"  # affinity: session, prefix, load (trnd/router/policy.py); random: benchmarks
-    # route the prefix rule on the targets' KV events (their real caches: trnd/router/events.py) instead of
-    # the texts the router sent; needs `model` (the prompt's tokens) and targets started with kv events on
-    kv_events: bool = False
-    ready_hold_s: Annotated[float, Meta(ge=0)] = 30.0  # no healthy target yet: a request waits this long, then 503
-    max_body_bytes: Positive = 4 * 2**20
-    log_level: str = "info"
-    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+    policy: Literal["affinity", "random"] = "affinity"  # affinity: session, prefix, load (router/policy.py)
+    log_level: LogLevel = "info"
+    http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
 
     def __post_init__(self):
-        _check_common(self)
+        _check_files(self)
         for i, t in enumerate(self.targets):
             host, _, port = t.rpartition(":")
             if not host or not port.isdigit():
-                raise msgspec.ValidationError(f"targets[{i}] = {t!r} is not host:port - at `$.targets[{i}]`")
-
-    resolved_api_key = ServeConfig.resolved_api_key
+                raise _invalid(f"targets[{i}]", f"targets[{i}] = {t!r} is not host:port")
 
     def resolved_target_key(self) -> str | None:
-        if self.target_api_key_file:
-            return read_key_file("target_api_key_file", self.target_api_key_file).decode()
-        return self.target_api_key
+        return _read("target_api_key", self.target_api_key, self.target_api_key_file)
 
 
-class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class StoreConfig(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=True):
     """`trnd store`: the L3 remote KV store, one large DRAM region carved into canonical page slots.
 
     The slot size is not configured: the first client's handshake fixes it (its canonical page bytes)
     until the store restarts; a later client whose canonical page has another size is refused with a
     message naming page_bytes. Several namespaces (models, dtypes) share the slots when their pages
     have that size; their keys never mix."""
-    host: str = "127.0.0.1"
     control_port: Port = 8300  # clients connect here (msgspec + HMAC frames, like the roles)
-    admin_port: Port = 8301  # /health, /ready, /admin/state
     memory_gb: Annotated[float, Meta(gt=0)] = 4.0  # the DRAM region registered with NIXL
-    lease_s: Annotated[float, Meta(gt=0)] = 5.0  # a reader's lease pins its slots this long at most
-    reserve_s: Annotated[float, Meta(gt=0)] = 30.0  # an uncommitted reservation is dropped after this
+    lease_s: Seconds = 5.0  # a reader's lease pins its slots this long at most
+    reserve_s: Seconds = 30.0  # an uncommitted reservation is dropped after this
     max_clients: Positive = 256
     secret: str | None = None  # control-plane shared secret (prefer secret_file)
     secret_file: str | None = None
-    api_key: str | None = None  # for /admin/* on the admin port
-    api_key_file: str | None = None
-    log_level: str = "info"
-    drain_timeout_s: Annotated[float, Meta(ge=0)] = 2.0
-    transfer_backend: TransferBackend = "ucx"  # the clients' (ServeConfig.transfer_backend): NIXL pairs like ends only
+    log_level: LogLevel = "info"
+    transfer_backend: TransferBackend = "ucx"  # the clients' (EngineKnobs.transfer_backend): NIXL pairs like ends only
+    http: AdminPort = msgspec.field(default_factory=lambda: AdminPort(admin_port=8301, drain_timeout_s=2.0))
 
     def __post_init__(self):
-        _check_common(self)
+        _check_files(self)
 
-    resolved_secret = RoleConfig.resolved_secret
-    resolved_api_key = ServeConfig.resolved_api_key
+
+# -- flat keys <-> parts ----------------------------------------------------------------------------
+
+def parts_of(cls: type[msgspec.Struct]) -> dict[str, msgspec.Struct]:
+    """A role config's parts by field name, each with the role's defaults."""
+    return {f.name: f.default_factory() for f in msgspec.structs.fields(cls)
+            if f.default_factory is not msgspec.NODEFAULT and isinstance(f.default_factory(), Part)}
+
+
+def nest(cls: type[msgspec.Struct], data: dict) -> dict:
+    """Flat keys (TOML, flags) filed into the parts of `cls` that hold them, on top of the role's defaults for
+    that part. A key no part and no top-level field holds is left where it is: msgspec refuses it by name."""
+    out = dict(data)
+    for name, default in parts_of(cls).items():
+        given = out.pop(name, None)
+        mine = {k: out.pop(k) for k in default.__struct_fields__ if k in out}
+        if given is not None or mine:
+            out[name] = {**msgspec.structs.asdict(default), **(given or {}), **mine}
+    return out
+
+
+def keys(cls: type[msgspec.Struct]) -> set[str]:
+    """The flat names a role's config takes."""
+    parts = parts_of(cls)
+    return {*(k for k in cls.__struct_fields__ if k not in parts), *(k for p in parts.values() for k in p.__struct_fields__)}
+
+
+def flat(cfg: msgspec.Struct) -> dict:
+    """Every setting of a role's config by its flat name (what TOML and reload speak)."""
+    out = {}
+    for name in cfg.__struct_fields__:
+        value = getattr(cfg, name)
+        if isinstance(value, Part):
+            out.update({k: getattr(value, k) for k in value.__struct_fields__})
+        else:
+            out[name] = value
+    return out
+
+
+def replace(cfg: msgspec.Struct, changes: dict) -> msgspec.Struct:
+    """`cfg` with flat-named settings changed (reload)."""
+    top, parts = {}, {}
+    for name in cfg.__struct_fields__:
+        value = getattr(cfg, name)
+        if isinstance(value, Part):
+            mine = {k: v for k, v in changes.items() if k in value.__struct_fields__}
+            if mine:
+                parts[name] = msgspec.structs.replace(value, **mine)
+        elif name in changes:
+            top[name] = changes[name]
+    return msgspec.structs.replace(cfg, **top, **parts)
+
+
+_AT = re.compile(r"`\$\.(\w+)\.")
+_ENUM = re.compile(r"Invalid enum value (.+) - at `\$\.(\w+)`")
+
+
+def _flat_error(cls: type[msgspec.Struct], e: msgspec.ValidationError) -> str:
+    """msgspec's message with the part dropped from the path (`$.engine.dtype` -> `$.dtype`), and a Literal's
+    choices named."""
+    msg = _AT.sub("`$.", str(e), count=1) if _AT.search(str(e)) and _AT.search(str(e)).group(1) in parts_of(cls) \
+        else str(e)
+    m = _ENUM.search(msg)
+    if m:
+        choices = _choices(cls, m.group(2))
+        if choices:
+            msg = f"{m.group(2)} = {m.group(1)} is not one of {', '.join(choices)} - at `$.{m.group(2)}`"
+    return msg
+
+
+def _choices(cls: type[msgspec.Struct], field: str) -> list[str]:
+    for owner in [cls, *(type(p) for p in parts_of(cls).values())]:
+        hint = typing.get_type_hints(owner).get(field)
+        if hint is not None and typing.get_origin(hint) is Literal:
+            return [str(a) for a in typing.get_args(hint)]
+    return []
+
+
+def read_toml(path: str | Path | None) -> dict:
+    if path is None:
+        return {}
+    p = Path(path)
+    try:
+        return msgspec.toml.decode(p.read_bytes())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: config file not found") from None
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+
+
+def load_config(cls: type[msgspec.Struct], path: str | Path | None, overrides: dict | None = None):
+    """Read TOML (if given), apply non-None overrides, file the flat keys into their parts, validate.
+    Raises ConfigError (one line)."""
+    data = {**read_toml(path), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    return convert(cls, data, path)
+
+
+# A setting the other `trnd serve` mode applies, given to this one: said so instead of "unknown".
+_OTHER_MODE = {"ServeConfig": "it does not apply with aggregated = true (one process: a local deployment's setting)",
+               "LocalConfig": "it does not apply to a local deployment (its roles' shapes come from the decode point; "
+                              "KV events are each role's, trnd prefill/decode); aggregated = true takes it"}
+_UNKNOWN = re.compile(r"Object contains unknown field `(\w+)`$")
+
+
+def convert(cls: type[msgspec.Struct], data: dict, path: str | Path | None = None):
+    if isinstance(data.get("log_level"), str):
+        data = {**data, "log_level": data["log_level"].lower()}
+    try:
+        return msgspec.convert(nest(cls, data), cls)
+    except msgspec.ValidationError as e:
+        msg = _flat_error(cls, e)
+        m = _UNKNOWN.match(msg)
+        if m and cls.__name__ in _OTHER_MODE and m.group(1) in keys(ServeConfig) | keys(LocalConfig):
+            msg = f"{m.group(1)}: {_OTHER_MODE[cls.__name__]} - at `$.{m.group(1)}`"
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}{msg}".replace("\n", " ")) from None
+
+
+def load_serve_config(path: str | Path | None, overrides: dict | None = None) -> ServeConfig | LocalConfig:
+    """`trnd serve`: `aggregated` (TOML or --aggregated) picks the config, so a setting only the other mode
+    applies (--prefill with --aggregated, --page-size without) is refused, naming it."""
+    data = {**read_toml(path), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    aggregated = data.pop("aggregated", False)
+    return convert(ServeConfig if aggregated else LocalConfig, data, path)
+

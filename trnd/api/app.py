@@ -30,7 +30,8 @@ LOOP_TIMEOUT_S = 5.0  # how long admin calls wait for the engine loop
 @dataclass(kw_only=True)
 class AppState(Readiness):
     """`app.state.trnd` of an engine role: the Readiness (its progress is the engine loop) and what the
-    handlers share. cfg: the role's config (ServeConfig, DecodeConfig, PrefillConfig)."""
+    handlers share. cfg: the role's config (ServeConfig, DecodeConfig: `api` and `http` are read per
+    request; PrefillConfig)."""
     loop: EngineLoop
     cfg: object
     model_name: str
@@ -61,14 +62,12 @@ class AppState(Readiness):
         return n
 
     def reload(self, cfg, live: list[str]) -> Callable[[], list[str]]:
-        """daemon/lifecycle.py Readiness.reload: the live fields this app holds, checked now (the key file
-        is read here), applied by the function returned."""
-        new_cfg = msgspec.structs.replace(self.cfg, **{f: getattr(cfg, f) for f in live
-                                                      if f in self.cfg.__struct_fields__})
-        swap = key_swap(self.auth, new_cfg)
+        """daemon/lifecycle.py Readiness.reload: `cfg` is the running config with the live fields changed;
+        its key is read now (a missing file changes nothing), the function returned applies both."""
+        swap = key_swap(self.auth, cfg.http)
 
         def commit() -> list[str]:
-            self.cfg = new_cfg
+            self.cfg = cfg
             return swap()
         return commit
 
@@ -115,7 +114,7 @@ def make_app(routes, loop: EngineLoop, cfg, model_name: str, state_extra=None,
     if xfers is not None:
         xfers.model_name = model_name  # the engine's transfer samples carry the served name like the rest
     return admin_app(routes, st, state=st.state, metrics=lambda: st.metrics.render(st.loop),
-                     api_key=cfg.resolved_api_key())
+                     api_key=cfg.http.resolved_api_key())
 
 
 # -- admin ------------------------------------------------------------------------------------------

@@ -58,14 +58,14 @@ def build_app(loop: EngineLoop, cfg: ServeConfig, model_name: str,
         Route("/v1/models", models, methods=["GET"]),
         *admin_routes(),
     ]
-    return make_app(routes, loop, cfg, model_name, state_extra, ready_hold_s=cfg.ready_hold_s)
+    return make_app(routes, loop, cfg, model_name, state_extra, ready_hold_s=cfg.http.ready_hold_s)
 
 
 # -- request intake ---------------------------------------------------------------------------------
 
 async def _decode(request: Request, st: AppState, typ: type):
     st.refuse_if_draining()
-    body = await read_body(request, st.cfg.max_body_bytes)
+    body = await read_body(request, st.cfg.http.max_body_bytes)
     await st.wait_serving()
     try:
         req = msgspec.json.decode(body, type=typ)
@@ -103,12 +103,11 @@ async def _encode(st: AppState, text: str, add_special_tokens: bool) -> list[int
 async def chat_completions(request: Request) -> Response:
     arrival, st = time.monotonic(), state_of(request)
     req: P.ChatCompletionRequest = await _decode(request, st, P.ChatCompletionRequest)
-    params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars,
-                                   st.cfg.max_logit_bias, st.cfg.max_stop_token_ids)
-    params.cache_salt, params.prefill_hint = salt_of(req, request, st), prefill_hint(request)
+    params, n = to_sampling_params(req, st.cfg.api.max_n, st.cfg.api.max_stop, st.cfg.api.max_stop_chars,
+                                   st.cfg.api.max_logit_bias, st.cfg.api.max_stop_token_ids)
+    params.cache_salt = salt_of(req, request, st)
     messages = chat_messages(req)
-    limits = GrammarLimits.of(st.cfg)
-    plan = plan_chat(req, st.cfg.tool_call_parser, st.cfg.reasoning_parser, limits)
+    plan = plan_chat(req, st.cfg.api.tool_call_parser, st.cfg.api.reasoning_parser)
     try:
         prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **plan.template_kwargs)
     except (jinja2.TemplateError, ValueError, TypeError) as e:  # "roles must alternate", no template at all...
@@ -144,9 +143,9 @@ def session_of(req, request: Request) -> str | None:
 async def completions(request: Request) -> Response:
     arrival, st = time.monotonic(), state_of(request)
     req: P.CompletionRequest = await _decode(request, st, P.CompletionRequest)
-    params, n = to_sampling_params(req, st.cfg.max_n, st.cfg.max_stop, st.cfg.max_stop_chars,
-                                   st.cfg.max_logit_bias, st.cfg.max_stop_token_ids)
-    params.cache_salt, params.prefill_hint = salt_of(req, request, st), prefill_hint(request)
+    params, n = to_sampling_params(req, st.cfg.api.max_n, st.cfg.api.max_stop, st.cfg.api.max_stop_chars,
+                                   st.cfg.api.max_logit_bias, st.cfg.api.max_stop_token_ids)
+    params.cache_salt = salt_of(req, request, st)
     prompt = check_completion_prompt(req.prompt)
     limits = GrammarLimits.of(st.cfg)
     params.grammar = await compile_grammar(st.loop.engine, find_grammar(req, limits=limits), limits)
@@ -207,7 +206,7 @@ class Job:
         if params.min_tokens > params.max_tokens:
             raise APIError(400, f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens}"
                                 f"{', what the context leaves' if not max_given else ''})", param="min_tokens")
-        cap = st.cfg.max_job_tokens
+        cap = st.cfg.api.max_job_tokens
         if cap is not None and n * (len(ids) + params.max_tokens) > cap:
             raise APIError(400, f"n x (prompt + max_tokens) = {n} x {len(ids) + params.max_tokens} tokens exceeds "
                                 f"this server's limit of {cap}", param="n")

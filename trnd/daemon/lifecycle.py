@@ -32,8 +32,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-import msgspec
-
+from trnd import config
 from trnd.config import ConfigError
 from trnd.daemon import notify
 
@@ -45,7 +44,6 @@ MAX_START_S = 2 * 3600.0  # stop extending after this: a start that long is stuc
 STOP_MARGIN_S = 30.0  # asked for beyond drain_timeout_s: abort the rest, close ranks, exit
 ABORT_GRACE_S = 2.0  # after aborting, for the streams to write their error and close
 SHUTDOWN_GRACE_S = 5.0  # uvicorn's wait for connections once requests are done
-DEFAULT_DRAIN_S = 30.0
 STALL_ENV = "TRND_DEBUG_STALL_S"  # test hook: EngineLoop.stall_s once ready (a hung loop on demand)
 
 # What SIGHUP may change in a running process. Everything else (model, ports, point, tp, dtype, pool,
@@ -306,7 +304,7 @@ class Lifecycle:
                     on_drain: Callable[[], None] | None = None) -> int:
         """Stop taking work, let in-flight requests finish (up to drain_timeout_s), fail the rest.
         Returns how many were aborted."""
-        timeout = float(getattr(self.cfg, "drain_timeout_s", DEFAULT_DRAIN_S))
+        timeout = self.cfg.http.drain_timeout_s
         self.phase = "stopping"
         n = self.in_flight()
         notify.stopping(f"draining {n} requests (up to {timeout:g} s)")
@@ -361,10 +359,11 @@ class Lifecycle:
         old = self.cfg
         if type(new) is not type(old):
             raise ConfigError(f"reload produced a {type(new).__name__}, not a {type(old).__name__}")
-        changed = [f for f in old.__struct_fields__ if getattr(old, f) != getattr(new, f)]
+        was, now = config.flat(old), config.flat(new)
+        changed = [f for f in was if was[f] != now[f]]
         live = [f for f in changed if f in LIVE_FIELDS]
         ignored = [f for f in changed if f not in LIVE_FIELDS]
-        merged = msgspec.structs.replace(old, **{f: getattr(new, f) for f in live})
+        merged = config.replace(old, {f: now[f] for f in live})
         # Everything that can fail (reading the key file) before anything changes.
         commit = self.state.reload(merged, live) if self.state is not None else None
         self.cfg = merged
@@ -373,15 +372,15 @@ class Lifecycle:
 
             setup_logging(merged.log_level)
         if self.loop is not None and "max_requests" in live:
-            self.loop.max_requests = merged.max_requests
+            self.loop.max_requests = now["max_requests"]
         if commit is not None:
             live += commit()
         log.debug("reload #%d: config re-read", self.reloads)
         for f in ignored:
-            log.warning("reload: %s changed (%s -> %s) but needs a restart: ignored", f, _show(f, getattr(old, f)),
-                        _show(f, getattr(new, f)))
+            log.warning("reload: %s changed (%s -> %s) but needs a restart: ignored", f, _show(f, was[f]),
+                        _show(f, now[f]))
         if live:
-            log.info("reload: applied %s", ", ".join(f if f == "api key" else f"{f} = {_show(f, getattr(merged, f))}"
+            log.info("reload: applied %s", ", ".join(f if f == "api key" else f"{f} = {_show(f, now[f])}"
                                                     for f in live))
         else:
             log.info("reload: nothing to apply")

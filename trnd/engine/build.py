@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import torch
 
 from trnd_kernels import fp8
@@ -26,7 +27,7 @@ from trnd.cache.host import HostTier
 from trnd.cache.pages import PagePool
 from trnd.cache.radix import RadixCache
 from trnd.cache.tiers import Tiers
-from trnd.config import StartupError, compile_decode_conflict
+from trnd.config import EngineKnobs, Shapes, StartupError, TierConfig, engine_conflict
 from trnd.engine.corelock import CoreLock
 from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes
 from trnd.engine.scheduler import Scheduler, SchedulerConfig
@@ -77,37 +78,29 @@ class EngineConfig:
     compile_decode: bool = False  # decode-only steps through one inductor graph (engine/compiled.py); CPU
 
     def __post_init__(self):
-        if why := compile_decode_conflict(self.compile_decode, self.backend, self.tp, self.static,
-                                          self.kv_cache_dtype):
-            raise ValueError(why)
-        if self.static and self.tp > 1:
-            raise ValueError("static = true runs one rank: tp must be 1")
-        if self.static and self.kv_cache_dtype != "auto":
-            raise ValueError(f"static = true keeps KV in the model dtype: kv_cache_dtype = {self.kv_cache_dtype!r} "
-                             "runs on the eager path (static = false)")
+        bad = engine_conflict(static=self.static, compile_cache=None, compile_decode=self.compile_decode, tp=self.tp,
+                              backend=self.backend, kv_cache_dtype=self.kv_cache_dtype)
+        if bad is not None:
+            raise ValueError(bad[1])
 
     @classmethod
-    def from_role(cls, cfg, model_dir, *, role: str, point=None, num_pages: int | None = None,
-                  max_model_len: int | None = None, secret: bytes | None = None, static: bool | None = None,
-                  compiler: str | None = None) -> "EngineConfig":
-        """The engine a role's config asks for: its engine knobs and tiers as given; the shapes (page size,
-        batch, prefill chunk, context) from its decode point (trnd/points.py), or, for the aggregated server
-        (point None), from its own fields."""
+    def from_role(cls, model_dir, knobs: EngineKnobs, tiers: TierConfig, *, role: str, shapes: Shapes | None = None,
+                  point=None, num_pages: int | None = None, max_model_len: int | None = None,
+                  secret: bytes | None = None, compiler: str | None = None) -> "EngineConfig":
+        """The engine a role's config asks for: its engine knobs and tiers (config.py) as given; the step
+        shapes from its decode point (trnd/points.py), or, for the aggregated server, its own `shapes`. A
+        compile cache means the static path (its graphs are the point's buckets)."""
+        static = knobs.static or knobs.compile_cache is not None
         if point is not None:
-            shapes = dict(page_size=point.page_size, num_pages=num_pages, max_batch=point.max_batch,
-                          max_model_len=max_model_len or point.max_context, token_budget=point.prefill_chunk,
-                          chunk_size=point.prefill_chunk, point=point.name if static else None)
+            dims = dict(page_size=point.page_size, num_pages=num_pages, max_batch=point.max_batch,
+                        max_model_len=max_model_len or point.max_context, token_budget=point.prefill_chunk,
+                        chunk_size=point.prefill_chunk, point=point.name if static else None)
         else:
-            shapes = dict(page_size=cfg.page_size, num_pages=cfg.num_pages, max_batch=cfg.max_batch,
-                          max_model_len=cfg.max_model_len, token_budget=cfg.token_budget, chunk_size=cfg.chunk_size)
-        return cls(model=str(model_dir), dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, backend=cfg.backend,
-                   kv_memory_gb=cfg.kv_memory_gb, prefix_cache=cfg.prefix_cache, threads=cfg.threads, tp=cfg.tp,
-                   host_cache_gb=cfg.host_cache_gb, host_policy=cfg.host_policy,
-                   node_host_memory_gb=cfg.node_host_memory_gb, store=list(cfg.store), store_secret=secret,
-                   store_on_finish=cfg.store_on_finish, store_deadline_s=cfg.store_deadline_s, role=role,
-                   static=cfg.static if static is None else static, compiler=compiler, core_lock=cfg.core_lock,
-                   compile_decode=cfg.compile_decode, transfer_backend=cfg.transfer_backend, remote=cfg.remote,
-                   **shapes)
+            dims = msgspec.structs.asdict(shapes or Shapes())
+        engine = {k: v for k, v in msgspec.structs.asdict(knobs).items() if k != "compile_cache"}
+        return cls(model=str(model_dir), **{**engine, "static": static},
+                   **{**msgspec.structs.asdict(tiers), "store": list(tiers.store)}, store_secret=secret, role=role,
+                   compiler=compiler, **dims)
 
 
 @dataclass(eq=False)

@@ -94,8 +94,9 @@ class Readiness:
 
     def reload(self, cfg, live: list[str]) -> Callable[[], list[str]]:
         """daemon/lifecycle.py Readiness.reload: the key is read now (a missing file fails before anything
-        changes); the function returned puts it in place. Roles with more live settings extend it."""
-        return key_swap(self.auth, cfg)
+        changes); the function returned puts it in place. Roles with more live settings extend it. cfg: the
+        role's config, with the live fields changed; its `http` part holds the key."""
+        return key_swap(self.auth, cfg.http)
 
 
 async def _value(x):

@@ -18,29 +18,30 @@ from trnd.transfer.protocol import Manifest
 log = logging.getLogger("trnd.role")
 
 
-def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
-                 max_model_len: int | None = None, compiler: str | None = None) -> tuple[Engine, DecodePoint]:
+def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None, bind_host: str | None,
+                 peers: list[str] = (), max_model_len: int | None = None,
+                 compiler: str | None = None) -> tuple[Engine, DecodePoint]:
     """The engine of a disaggregated role (cfg: PrefillConfig or DecodeConfig), shaped by its point:
     page size, max context, max batch and prefill chunk come from the point, the pool from the
     memory budget; refuses to start if one max-context sequence cannot fit, or if the model is not
     configured for the point's max context (max_position_embeddings, or its rope scaling).
     static (or compile_cache): every step padded to the point's buckets (engine/static.py); with a
-    compile cache (trnd/compile_cache.py) every bucket's graph is loaded from it before this returns."""
+    compile cache (trnd/compile_cache.py) every bucket's graph is loaded from it before this returns.
+    bind_host: the interface UCX listens on (None: the one toward `peers` and the stores)."""
     from trnd.transfer.nixl import bind_for
 
-    # UCX listens on one interface only: prefill's (where decode servers reach it), decode's toward
-    # its peers (its API's host says nothing about where prefill reaches its pool)
-    bind_for(None if role == "decode" else cfg.host, [*getattr(cfg, "prefill", []), *cfg.store])
+    knobs = cfg.engine
+    bind_for(bind_host, [*peers, *cfg.tiers.store])
     point = get_point(cfg.point)
     cache = None
-    if cfg.compile_cache is not None:
+    if knobs.compile_cache is not None:
         from trnd import compile_cache
 
-        cache = compile_cache.read(cfg.compile_cache)
-        compile_cache.use(cfg.compile_cache)
+        cache = compile_cache.read(knobs.compile_cache)
+        compile_cache.use(knobs.compile_cache)
         compiler = cache.compiler
-    static = cfg.static or cache is not None
-    dtype, _ = resolve_dtype(cfg.dtype, cfg.backend)  # the pool's page bytes follow the computed dtype
+    static = knobs.static or cache is not None
+    dtype, _ = resolve_dtype(knobs.dtype, knobs.backend)  # the pool's page bytes follow the computed dtype
     mc = ModelConfig.from_dir(model_dir, dtype)
     from trnd.engine.runner import kv_page_bytes
     from trnd.parallel import TPGroup
@@ -48,17 +49,17 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
     why = check_positions(point, mc.max_position_embeddings, mc.rope_scaling)
     if why is not None:  # positions the model was never configured for are not served silently
         raise StartupError(why)
-    h0, h1 = TPGroup(0, cfg.tp).kv_heads(mc.num_kv_heads)
-    page_bytes = kv_page_bytes(mc, h1 - h0, point.page_size, cfg.kv_cache_dtype)
-    num_pages = int(cfg.kv_memory_gb * 2**30) // page_bytes
+    h0, h1 = TPGroup(0, knobs.tp).kv_heads(mc.num_kv_heads)
+    page_bytes = kv_page_bytes(mc, h1 - h0, point.page_size, knobs.kv_cache_dtype)
+    num_pages = int(knobs.kv_memory_gb * 2**30) // page_bytes
     need = point.pool_pages_needed() + static  # the static path's scratch page is never handed out
     if num_pages < need:
         raise StartupError(
             f"point {point.name!r} needs {need} pages of {point.page_size} tokens for one {point.max_context}-token "
-            f"sequence ({need * page_bytes / 2**20:.1f} MiB per rank), but kv_memory_gb = {cfg.kv_memory_gb} holds "
+            f"sequence ({need * page_bytes / 2**20:.1f} MiB per rank), but kv_memory_gb = {knobs.kv_memory_gb} holds "
             f"only {num_pages}: raise kv_memory_gb or pick a smaller point")
-    engine = Engine(build(EngineConfig.from_role(cfg, model_dir, role=role, point=point, num_pages=num_pages,
-                                                 max_model_len=max_model_len, secret=secret, static=static,
+    engine = Engine(build(EngineConfig.from_role(model_dir, knobs, cfg.tiers, role=role, point=point,
+                                                 num_pages=num_pages, max_model_len=max_model_len, secret=secret,
                                                  compiler=compiler)))
     log.info(point_capacity(engine, point).line())
     if static and cache is None:
@@ -66,7 +67,7 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None,
                  "builds them ahead; compile_cache loads them)")
     if cache is not None:
         try:
-            compile_cache.load(engine, point, cfg.compile_cache, cache)
+            compile_cache.load(engine, point, knobs.compile_cache, cache)
         except BaseException:
             engine.close()
             raise

@@ -22,17 +22,18 @@ def run(args) -> int:
         "model": args.model, "point": args.point, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
         "backend": args.backend, "kv_memory_gb": args.kv_memory_gb, "threads": args.threads, "prefix_cache": False,
         "static": True})
-    get_backend(cfg.backend)  # a backend this host cannot run: one line, before anything loads
+    get_backend(cfg.engine.backend)  # a backend this host cannot run: one line, before anything loads
     setup_logging("warning")
     out = use(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(cfg.model)
     t0 = time.perf_counter()
-    engine, point = build_engine(model_dir, cfg, role="compile", secret=None, compiler=COMPILERS[cfg.backend])
+    engine, point = build_engine(model_dir, cfg, role="compile", secret=None, bind_host=cfg.http.host,
+                                 compiler=COMPILERS[cfg.engine.backend])
     try:
         engine.runner.warmup()
         loaded, compiled = engine.runner.counts()
-        m = describe(engine, point, cfg.backend)
+        m = describe(engine, point, cfg.engine.backend)
         m.seconds = round(time.perf_counter() - t0, 1)
         (out / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(m)))
     finally:

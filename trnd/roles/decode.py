@@ -69,7 +69,7 @@ def local_prefill_tokens(cfg: DecodeConfig) -> int:
     """The configured value, or auto: LOCAL_PREFILL_SHARED_CORES where the roles share the cores, else 0."""
     if cfg.local_prefill_tokens is not None:
         return cfg.local_prefill_tokens
-    return LOCAL_PREFILL_SHARED_CORES if cfg.core_lock else 0
+    return LOCAL_PREFILL_SHARED_CORES if cfg.engine.core_lock else 0
 
 
 class Refusal(ConnectionError):
@@ -114,9 +114,10 @@ class DecodeServer:
     def __init__(self, cfg: DecodeConfig, model_dir, model_name: str):
         self.cfg = cfg
         self.secret = cfg.resolved_secret()
-        self.engine, self.point = build_engine(model_dir, cfg, role="decode", secret=self.secret,
-                                               max_model_len=cfg.max_model_len)
-        self.engine.publish_kv_events(cfg.kv_events, cfg.host)
+        # UCX listens toward its peers: its API's host says nothing about where prefill reaches its pool
+        self.engine, self.point = build_engine(model_dir, cfg, role="decode", secret=self.secret, bind_host=None,
+                                               peers=cfg.prefill, max_model_len=cfg.max_model_len)
+        self.engine.publish_kv_events(cfg.kv_events, cfg.http.host)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "decode", model_name, cfg.speculative_config)
         self.capacity = point_capacity(self.engine, self.point)
@@ -124,7 +125,7 @@ class DecodeServer:
         self.layout = self.engine.layout
         self.memory = digest.Memory(self.engine.pools)
         self.engine.take_prompt_kv_from(self.ask_peer)
-        self.loop = EngineLoop(self.engine, cfg.max_requests, poll=self._poll)
+        self.loop = EngineLoop(self.engine, cfg.api.max_requests, poll=self._poll)
         self.peers = [PrefillPeer(a) for a in cfg.prefill]
         self.awaited = Awaited()  # every request a peer is writing KV for (transfer/handoff.py)
         self.xfer_metrics = self.engine.xfer_metrics  # per prefill peer: op kv_receive (handoff sent -> KV landed)
@@ -474,11 +475,11 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
 
     from trnd.transfer.backends import prepare
 
-    prepare(cfg.transfer_backend)  # a backend that cannot load here: one line, exit 78, before the load
-    sock = bind_port(cfg.host, cfg.port, "port")  # another process on it: one line, exit 1, before the load
+    prepare(cfg.engine.transfer_backend)  # a backend that cannot load here: one line, exit 78, before the load
+    sock = bind_port(cfg.http.host, cfg.http.port, "port")  # another process on it: one line, exit 1, before the load
     with Lifecycle("decode", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)
-        name = cfg.served_model_name or model_dir.resolve().name
+        name = cfg.api.served_model_name or model_dir.resolve().name
         life.status(f"loading {model_dir}")
         server = DecodeServer(cfg, model_dir, name)
         life.loop = server.loop
@@ -488,7 +489,7 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
                                          ("handoffs", "retried", "failed", "timed_out", "fenced", "local_prefills",
                                           "local_fallbacks")}
         st.ready_fn = lambda: server.ready
-        http = http_server(app, cfg.host, cfg.port, cfg.drain_timeout_s, cfg, sock=sock)
+        http = http_server(app, cfg.http, sock=sock)
 
         def waiting() -> str:
             return "no prefill peer yet: " + "; ".join(f"{p.addr}: {p.refused or p.error or 'connecting'}"
@@ -499,8 +500,8 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
         async def main() -> int:
             await server.start()
             return await life.serve(
-                http, st, banner=f"trnd: decode for {name} (point {cfg.point}, tp={cfg.tp}) on "
-                                  f"http://{cfg.host}:{cfg.port}/v1, prefill peers {', '.join(cfg.prefill)}",
+                http, st, banner=f"trnd: decode for {name} (point {cfg.point}, tp={cfg.engine.tp}) on "
+                                  f"http://{cfg.http.host}:{cfg.http.port}/v1, prefill peers {', '.join(cfg.prefill)}",
                 ready_fn=lambda: server.ready, waiting=waiting, warmup=lambda: warm_up_loop(server.loop),
                 in_flight=lambda: server.loop.num_requests, abort=st.abort_all)
 

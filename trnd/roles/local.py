@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 
 from trnd import OMP_SET_BY_OPERATOR, SHARED_CORES_SPINCOUNT
-from trnd.config import ConfigError, ServeConfig
+from trnd.config import ConfigError, LocalConfig
 from trnd.daemon import notify
 from trnd.procs import EX_CONFIG, bind_port, die_with_parent, free_port
 
@@ -79,61 +79,44 @@ class Child:
         return next(iter(self.ports.values()))
 
 
-def role_configs(cfg: ServeConfig, model: str, workdir: Path) -> list[Child]:
-    """The children's configs, prefill servers first, the API front (decode, or the router) last."""
+def role_configs(cfg: LocalConfig, model: str, workdir: Path) -> list[Child]:
+    """The children's configs, prefill servers first, the API front (decode, or the router) last: each
+    gets the parts it applies (config.py), nothing copied by hand."""
     secret = workdir / "control_secret"
     if cfg.secret_file or cfg.secret:  # shared with stores the operator runs: use theirs
         secret.write_bytes(cfg.resolved_secret_optional())
     else:
         secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
-    role = {"model": model, "point": cfg.point, "dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype,
-            "transfer_backend": cfg.transfer_backend,
-            "backend": cfg.backend, "tp": cfg.tp,
-            "kv_memory_gb": cfg.kv_memory_gb, "prefix_cache": cfg.prefix_cache, "threads": cfg.threads,
-            "secret_file": str(secret), "log_level": cfg.log_level, "host_cache_gb": cfg.host_cache_gb,
-            "host_policy": cfg.host_policy, "node_host_memory_gb": cfg.node_host_memory_gb,
-            "store": list(cfg.store), "store_on_finish": cfg.store_on_finish, "store_deadline_s": cfg.store_deadline_s,
-            "static": cfg.static, "compile_cache": cfg.compile_cache, "compile_decode": cfg.compile_decode,
-            "core_lock": cfg.core_lock or (str(workdir / "cores.lock") if cfg.share_cores else None),
-            "kv_events": _child_events(cfg),
-            "remote": msgspec.structs.asdict(cfg.remote) if cfg.remote is not None else None,
-            # both roles get it: it is part of the decode-point contract
-            "speculative_config": None if cfg.speculative_config is None else
-            msgspec.structs.asdict(cfg.speculative_config)}
+    asdict = msgspec.structs.asdict
+    lock = cfg.engine.core_lock or (str(workdir / "cores.lock") if cfg.deploy.share_cores else None)
+    role = {"model": model, "point": cfg.point, "secret_file": str(secret), "log_level": cfg.log_level,
+            **asdict(cfg.engine), **asdict(cfg.tiers), "core_lock": lock}
     children, controls = [], []
-    for i in range(cfg.num_prefill):
-        control = cfg.prefill_control_port + i if cfg.prefill_control_port else free_port()
-        admin = cfg.prefill_admin_port + i if cfg.prefill_admin_port else free_port()
-        path = _write(workdir / f"prefill{i}.toml", {**role, "compile_decode": False,  # it runs no decode step
+    for i in range(cfg.deploy.num_prefill):
+        control = cfg.deploy.prefill_control_port + i if cfg.deploy.prefill_control_port else free_port()
+        admin = cfg.deploy.prefill_admin_port + i if cfg.deploy.prefill_admin_port else free_port()
+        path = _write(workdir / f"prefill{i}.toml", {**role, "compile_decode": None,  # it runs no decode step
                                                      "host": "127.0.0.1", "control_port": control,
-                                                     "admin_port": admin, "api_key": cfg.resolved_api_key(),
-                                                     "drain_timeout_s": cfg.drain_timeout_s})
+                                                     "admin_port": admin, "api_key": cfg.http.resolved_api_key(),
+                                                     "drain_timeout_s": cfg.http.drain_timeout_s})
         children.append(Child(f"prefill{i}", "prefill", path, {"prefill_admin_port": admin,
                                                                 "prefill_control_port": control}))
         controls.append(f"127.0.0.1:{control}")
-    dec = msgspec.structs.asdict(cfg)
-    for k in ("aggregated", "prefill_control_port", "prefill_admin_port", "page_size", "num_pages", "token_budget",
-              "chunk_size", "max_batch", "num_prefill", "num_decode", "router_policy", "secret", "decode_port",
-              "share_cores"):
-        dec.pop(k, None)  # the decode point fixes the shapes
-    dec.update(model=model, secret_file=str(secret), prefill=controls, core_lock=role["core_lock"],
-               kv_events=role["kv_events"], remote=role["remote"],
-               speculative_config=role["speculative_config"])
-    if cfg.num_decode == 1:
-        children.append(Child("decode", "decode", _write(workdir / "decode.toml", dec), {"port": cfg.port}))
+    dec = {**role, **asdict(cfg.http), **asdict(cfg.api), "max_model_len": cfg.max_model_len,
+           "local_prefill_tokens": cfg.local_prefill_tokens, "prefill": controls}
+    if cfg.deploy.num_decode == 1:
+        children.append(Child("decode", "decode", _write(workdir / "decode.toml", dec), {"port": cfg.http.port}))
         return children
     targets = []
-    for i in range(cfg.num_decode):
-        port = cfg.decode_port + i if cfg.decode_port else free_port()
+    for i in range(cfg.deploy.num_decode):
+        port = cfg.deploy.decode_port + i if cfg.deploy.decode_port else free_port()
         path = _write(workdir / f"decode{i}.toml", {**dec, "host": "127.0.0.1", "port": port})
         children.append(Child(f"decode{i}", "decode", path, {"decode_port": port}))
         targets.append(f"127.0.0.1:{port}")
-    router = {"host": cfg.host, "port": cfg.port, "targets": targets, "model": model, "api_key": cfg.api_key,
-              "api_key_file": cfg.api_key_file, "log_level": cfg.log_level, "drain_timeout_s": cfg.drain_timeout_s,
-              "max_body_bytes": cfg.max_body_bytes, "policy": cfg.router_policy,
-              "kv_events": cfg.kv_events is not None and cfg.kv_events.on}
-    children.append(Child("router", "router", _write(workdir / "router.toml", router), {"port": cfg.port}))
+    router = {**asdict(cfg.http), "targets": targets, "model": model, "log_level": cfg.log_level,
+              "policy": cfg.deploy.router_policy}
+    children.append(Child("router", "router", _write(workdir / "router.toml", router), {"port": cfg.http.port}))
     return children
 
 
@@ -158,14 +141,14 @@ def rewrite(children: list[Child], fresh: list[Child]) -> None:
         _write(old.config, data)
 
 
-def check_ports(cfg: ServeConfig, children: list[Child]) -> None:
+def check_ports(cfg: LocalConfig, children: list[Child]) -> None:
     """Every port a child will bind, tried here first: one that another process holds is one line
     naming its field and exit 1 (PortError) before any child loads a model. A child that then loses
     a race for one fails the same way itself."""
     socks = []
     try:
         for c in children:
-            host = cfg.host if c is children[-1] else "127.0.0.1"
+            host = cfg.http.host if c is children[-1] else "127.0.0.1"
             socks += [bind_port(host, port, name) for name, port in c.ports.items()]
     finally:
         for sock in socks:
@@ -193,16 +176,22 @@ def heard(c: Child, msg: dict[str, str], now: float) -> None:
         c.ready = not missing
 
 
-def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
+def run(cfg: LocalConfig, reload_source=None) -> int:
     """The supervisor speaks for the deployment to systemd (NotifyAccess=main). Its children speak to it
     the same protocol on a socket of its own (notify.Listener; the kernel names each sender's pid, so
     only its own children count): READY once every child sent READY=1 listening on its ports, WATCHDOG
     while every child's own pings keep coming (each pings only while its engine loop turns),
     STOPPING/RELOADING around forwarded signals. A child that fails before the deployment was first
     ready stops it with the child's exit status; after that a dead child is restarted."""
+    from trnd.model.config import ModelConfig
+    from trnd.model.maker import resolve_model
+    from trnd.transfer.backends import prepare
 
+    prepare(cfg.engine.transfer_backend)  # one line here, not one per child
+    model = str(resolve_model(cfg.model))
+    ModelConfig.from_dir(model)  # a bad model is one line here, not one per child
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-    if not OMP_SET_BY_OPERATOR and not cfg.share_cores:
+    if not OMP_SET_BY_OPERATOR and not cfg.deploy.share_cores:
         # the roles compute on this node's cores at once: a short spin (trnd/__init__.py); taking turns
         # (share_cores, engine/corelock.py) each keeps the spin of a role alone
         env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
@@ -226,11 +215,11 @@ def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
 
         for c in children:
             start(c)
-        notify.status(f"starting {cfg.num_prefill} prefill and {cfg.num_decode} decode server(s)")
+        notify.status(f"starting {cfg.deploy.num_prefill} prefill and {cfg.deploy.num_decode} decode server(s)")
         print("trnd: local deployment: " + ", ".join(
             f"{c.name} pid {c.proc.pid} (http://127.0.0.1:{c.port})"
             + "".join(f" {k} {v}" for k, v in list(c.ports.items())[1:]) for c in children)
-              + f"; API http://{cfg.host}:{cfg.port}/v1", flush=True)
+              + f"; API http://{cfg.http.host}:{cfg.http.port}/v1", flush=True)
         stopping, ready = False, False
         reload_at: dict[str, int] | None = None  # each child's READY count when SIGHUP was forwarded
         reload_since = 0.0
@@ -272,7 +261,7 @@ def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
                         c.proc.send_signal(signal.SIGTERM)
                 for c in group:
                     try:
-                        c.proc.wait(cfg.drain_timeout_s + 15)
+                        c.proc.wait(cfg.http.drain_timeout_s + 15)
                     except subprocess.TimeoutExpired:
                         c.proc.kill()
                         c.proc.wait()
@@ -300,7 +289,7 @@ def run(cfg: ServeConfig, model: str, reload_source=None) -> int:
                         ready = True
                         log.info("deployment ready: %s", ", ".join(f"{c.name} pid {c.proc.pid} on "
                                                                    f"{' '.join(c.listening)}" for c in children))
-                        notify.ready(f"serving on http://{cfg.host}:{cfg.port}/v1")
+                        notify.ready(f"serving on http://{cfg.http.host}:{cfg.http.port}/v1")
                 if reload_at is not None and (all(c.readies > reload_at[c.name] for c in children)
                                               or now - reload_since > RELOAD_WAIT_S):
                     late = [c.name for c in children if c.readies <= reload_at[c.name]]

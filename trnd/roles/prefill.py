@@ -54,8 +54,10 @@ class PrefillServer:
     def __init__(self, cfg: PrefillConfig, model_dir, model_name: str):
         self.cfg = cfg
         self.secret = cfg.resolved_secret()
-        self.engine, self.point = build_engine(model_dir, cfg, role="prefill", secret=self.secret)
-        self.engine.publish_kv_events(cfg.kv_events, cfg.host)
+        # UCX listens where decode servers reach this role
+        self.engine, self.point = build_engine(model_dir, cfg, role="prefill", secret=self.secret,
+                                               bind_host=cfg.http.host)
+        self.engine.publish_kv_events(cfg.kv_events, cfg.http.host)
         self.model_name = model_name
         self.manifest = manifest(self.engine, self.point, "prefill", model_name, cfg.speculative_config)
         self.capacity = point_capacity(self.engine, self.point)
@@ -390,10 +392,10 @@ def run(cfg: PrefillConfig, reload_source=None) -> int:
 
     from trnd.transfer.backends import prepare
 
-    prepare(cfg.transfer_backend)  # a backend that cannot load here: one line, exit 78, before the load
+    prepare(cfg.engine.transfer_backend)  # a backend that cannot load here: one line, exit 78, before the load
     # Both ports before the load: another process on either is one line and exit 1 in a second.
-    control = bind_port(cfg.host, cfg.control_port, "control_port")
-    admin_sock = bind_port(cfg.host, cfg.admin_port, "admin_port")
+    control = bind_port(cfg.http.host, cfg.control_port, "control_port")
+    admin_sock = bind_port(cfg.http.host, cfg.http.admin_port, "admin_port")
     with Lifecycle("prefill", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)
         name = model_dir.resolve().name
@@ -410,14 +412,15 @@ def run(cfg: PrefillConfig, reload_source=None) -> int:
                                                  "prefill_kv_bytes": server.stats["bytes"],
                                                  "prefill_handoffs_failed": server.stats["failed"],
                                                  "prefill_handoffs_aborted": server.stats["aborted"]}
-            http = http_server(admin, cfg.host, cfg.admin_port, sock=admin_sock)
+            http = http_server(admin, cfg.http, sock=admin_sock)
 
             async def main() -> int:
                 ctrl = await server.serve(control)
                 try:
                     return await life.serve(
-                        http, admin.state.trnd, banner=f"trnd: prefill for {name} (point {cfg.point}, tp={cfg.tp}) on "
-                                            f"{cfg.host}:{cfg.control_port}, admin http://{cfg.host}:{cfg.admin_port}",
+                        http, admin.state.trnd, banner=f"trnd: prefill for {name} (point {cfg.point}, tp={cfg.engine.tp}) on "
+                                            f"{cfg.http.host}:{cfg.control_port}, admin "
+                                            f"http://{cfg.http.host}:{cfg.http.admin_port}",
                         in_flight=lambda: len(server.handoffs), on_drain=ctrl.close, also_listening=(ctrl,))
                 finally:
                     ctrl.close()

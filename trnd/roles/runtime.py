@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import uvicorn
 
+from trnd.config import AdminPort, HTTPConfig
+
 log = logging.getLogger("trnd.runtime")
 
 
@@ -39,15 +41,18 @@ class HTTPServer(uvicorn.Server):
         return listening(self)
 
 
-def http_server(app, host: str, port: int, drain_timeout_s: float = 30.0, cfg=None, sock=None) -> HTTPServer:
-    """cfg (ServeConfig): max_header_bytes and header_timeout_s of the public port. sock: the port,
-    bound at start (trnd.procs.bind_port); None: uvicorn binds host:port itself when it starts."""
-    from trnd.http.guard import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, protocol
+def http_server(app, http: HTTPConfig | AdminPort, sock=None) -> HTTPServer:
+    """uvicorn for the role's port: an HTTP front's (HTTPConfig: the header limits of a public port too) or
+    an admin port's. sock: the port, bound at start (trnd.procs.bind_port); None: uvicorn binds it itself."""
+    from trnd.http.guard import protocol
 
-    proto = protocol(getattr(cfg, "max_header_bytes", MAX_HEADER_BYTES), getattr(cfg, "header_timeout_s", HEADER_TIMEOUT_S))
-    server = HTTPServer(uvicorn.Config(app, host=host, port=port, loop="none", http=proto, log_config=None,
+    if isinstance(http, HTTPConfig):
+        port, proto = http.port, protocol(http.max_header_bytes, http.header_timeout_s)
+    else:
+        port, proto = http.admin_port, protocol()
+    server = HTTPServer(uvicorn.Config(app, host=http.host, port=port, loop="none", http=proto, log_config=None,
                                        access_log=False, lifespan="off",
-                                       timeout_graceful_shutdown=int(drain_timeout_s) or None))
+                                       timeout_graceful_shutdown=int(http.drain_timeout_s) or None))
     server.sockets = [sock] if sock is not None else None
     return server
 

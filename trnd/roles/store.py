@@ -51,7 +51,7 @@ def build_admin_app(server: StoreServer, cfg: StoreConfig, beat):
         routes += [Route("/admin/debug/corrupt", corrupt, methods=["POST"]),
                    Route("/admin/debug/delay", delay, methods=["POST"])]
     return admin_app(routes, Readiness(progress=beat, ready=False), state=server.state,
-                     metrics=lambda: store_metrics(server), api_key=cfg.resolved_api_key())
+                     metrics=lambda: store_metrics(server), api_key=cfg.http.resolved_api_key())
 
 
 def store_metrics(server: StoreServer) -> bytes:
@@ -98,8 +98,8 @@ def run(cfg: StoreConfig, reload_source=None) -> int:
     from trnd.daemon.lifecycle import Beat, Lifecycle
     from trnd.roles.runtime import http_server, run_async
 
-    control = bind_port(cfg.host, cfg.control_port, "control_port")  # taken: one line, exit 1, at once
-    admin_sock = bind_port(cfg.host, cfg.admin_port, "admin_port")
+    control = bind_port(cfg.http.host, cfg.control_port, "control_port")  # taken: one line, exit 1, at once
+    admin_sock = bind_port(cfg.http.host, cfg.http.admin_port, "admin_port")
     with Lifecycle("store", cfg, reload_source) as life:
         life.status(f"registering {cfg.memory_gb:g} GiB with NIXL")
         try:
@@ -110,7 +110,7 @@ def run(cfg: StoreConfig, reload_source=None) -> int:
         try:
             life.loop = Beat()
             app = build_admin_app(server, cfg, life.loop)
-            http = http_server(app, cfg.host, cfg.admin_port, cfg.drain_timeout_s, sock=admin_sock)
+            http = http_server(app, cfg.http, sock=admin_sock)
             if server.debug:
                 log.warning("%s=1: debug hooks on /admin/debug/* (tests only)", DEBUG_ENV)
 
@@ -118,12 +118,12 @@ def run(cfg: StoreConfig, reload_source=None) -> int:
                 try:
                     ctrl = await server.serve(control)
                 except OSError as e:  # listen() lost a race for the port after the bind
-                    log.error("cannot listen on %s:%d: %s", cfg.host, cfg.control_port, e)
+                    log.error("cannot listen on %s:%d: %s", cfg.http.host, cfg.control_port, e)
                     return 1
                 try:
                     return await life.serve(
-                        http, app.state.trnd, banner=f"trnd: store of {cfg.memory_gb:g} GiB on {cfg.host}:{cfg.control_port}, "
-                                          f"admin http://{cfg.host}:{cfg.admin_port}", on_drain=ctrl.close,
+                        http, app.state.trnd, banner=f"trnd: store of {cfg.memory_gb:g} GiB on {cfg.http.host}:{cfg.control_port}, "
+                                          f"admin http://{cfg.http.host}:{cfg.http.admin_port}", on_drain=ctrl.close,
                         also_listening=(ctrl,))
                 finally:
                     ctrl.close()
@@ -157,7 +157,7 @@ def run_args(args: argparse.Namespace) -> int:
     cfg = load()
     try:
         cfg.resolved_secret()
-        cfg.resolved_api_key()
+        cfg.http.resolved_api_key()
     except (OSError, ValueError) as e:
         raise ConfigError(str(e).replace("\n", " ")) from None
     from trnd.log import setup_logging

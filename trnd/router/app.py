@@ -108,7 +108,7 @@ class RouterState(Readiness):
         self.ready_fn = lambda: bool(self.targets.healthy())
         self.not_ready_why = lambda: "no healthy decode server: " + "; ".join(
             f"{t.addr}: {t.error or 'probing'}" for t in self.targets.all)
-        self.ready_hold_s = self.cfg.ready_hold_s
+        self.ready_hold_s = self.cfg.http.ready_hold_s
         self.target_key = self.cfg.resolved_target_key()
         self.sessions = self.sessions or Sessions(self.cfg.max_sessions)
         self.tokenizing = asyncio.Semaphore(1)  # one prompt tokenized at a time, on a worker thread
@@ -116,7 +116,7 @@ class RouterState(Readiness):
     def reload(self, cfg: RouterConfig, live: list[str]):
         """daemon/lifecycle.py Readiness.reload: targets, the key sent to them and the clients' key. Both
         key files are read now; a missing one changes nothing."""
-        swap, headers, target_key = key_swap(self.auth, cfg), target_headers(cfg), cfg.resolved_target_key()
+        swap, headers, target_key = key_swap(self.auth, cfg.http), target_headers(cfg), cfg.resolved_target_key()
 
         def commit() -> list[str]:
             self.cfg, self.target_key = cfg, target_key
@@ -151,7 +151,7 @@ class RouterState(Readiness):
 
 def target_headers(cfg: RouterConfig) -> dict[str, str]:
     """Authorization for the targets' /v1/models and /admin/state: the target key, else the router's own."""
-    key = cfg.resolved_target_key() or cfg.resolved_api_key()
+    key = cfg.resolved_target_key() or cfg.http.resolved_api_key()
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
@@ -163,7 +163,7 @@ def build_app(st: RouterState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
     ]
     return admin_app(routes, st, state=lambda: router_state(st), metrics=st.metrics.render,
-                     api_key=st.cfg.resolved_api_key())
+                     api_key=st.cfg.http.resolved_api_key())
 
 
 def _text(content) -> str:
@@ -243,7 +243,7 @@ def _route(path: str):
     async def handler(request: Request):
         st: RouterState = state_of(request)
         st.refuse_if_draining()
-        body = await read_body(request, st.cfg.max_body_bytes)
+        body = await read_body(request, st.cfg.http.max_body_bytes)
         await st.wait_serving()
         try:
             if st.check_body is not None:

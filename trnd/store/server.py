@@ -65,7 +65,7 @@ class StoreServer:
 
         from trnd.transfer.nixl import KVAgent, bind_for
 
-        bind_for(cfg.host)
+        bind_for(cfg.http.host)
         self.cfg = cfg
         self.secret = cfg.resolved_secret()
         self.memory_bytes = int(cfg.memory_gb * 2**30)
