@@ -304,7 +304,7 @@ def test_a_preempted_request_does_not_count_its_own_recompute_as_cached():
 
 
 def test_peer_hits_count_what_lies_beyond_our_own_prefix():
-    from trnd.roles.decode import peer_hits
+    from trnd.roles.inbox import peer_hits
 
     assert peer_hits({"device": 32, "host": 16, "remote": 16}, 0) == {"prefill": 32, "host": 16, "remote": 16}
     assert peer_hits({"device": 32, "host": 16, "remote": 16}, 40) == {"host": 8, "remote": 16}

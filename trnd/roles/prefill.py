@@ -26,9 +26,10 @@ from trnd.engine.output import StepOutput
 from trnd.engine.scheduler import Batch
 from trnd.log import Failures
 from trnd.roles.common import build_engine, layout_from, manifest, point_capacity
-from trnd.transfer import protocol as P
-from trnd.transfer.handoff import Shipment, Shipped, Xfer
 from trnd.transfer import digest
+from trnd.transfer import protocol as wire
+from trnd.transfer.handoff import Shipment, Shipped
+from trnd.transfer.inflight import InFlight
 from trnd.transfer.plan import by_segment, coalesce, make_plan, page_rows
 
 log = logging.getLogger("trnd.prefill")
@@ -38,10 +39,10 @@ log = logging.getLogger("trnd.prefill")
 class Peer:
     """One connected decode server."""
     id: int
-    chan: P.Channel
+    chan: wire.Channel
     agent_name: str
-    manifest: P.Manifest
-    regions: list[P.PoolRegion]
+    manifest: wire.Manifest
+    regions: list[wire.PoolRegion]
     plan: list
     layout: object
     connected_at: float = field(default_factory=time.time)
@@ -69,6 +70,7 @@ class PrefillServer:
         self._failed: list[str] = []  # local rids whose handoff failed mid-step: aborted by the next _poll
         self.loop = EngineLoop(self.engine, poll=self._poll, on_output=self._on_output)
         self.handoffs = Shipped()  # local rid -> what was shipped to which decode peer (transfer/handoff.py)
+        self.inflight = InFlight(self.agent, "KV write")  # posted writes; their source pages held until they end
         self.peers: dict[int, Peer] = {}
         self._refusals: dict[str, Failures] = {}  # decode host -> its failed attempts (bounded log lines)
         self._ids = itertools.count(1)
@@ -99,22 +101,22 @@ class PrefillServer:
 
     async def _serve_conn(self, reader, writer) -> None:
         addr = writer.get_extra_info("peername")
-        chan = P.Channel(reader, writer, self.secret, name=f"decode@{addr}")
+        chan = wire.Channel(reader, writer, self.secret, name=f"decode@{addr}")
         try:
             hello, challenge = await chan.challenge()
-        except (P.ChannelClosed, asyncio.TimeoutError, ConnectionError, OSError) as e:
+        except (wire.ChannelClosed, asyncio.TimeoutError, ConnectionError, OSError) as e:
             self.stats["unauthenticated"] += 1
             self._refused(addr, f"dropped before a valid Hello: {e}", logging.WARNING)
             chan.close()
             return
-        if not isinstance(hello, P.Hello):
+        if not isinstance(hello, wire.Hello):
             log.warning("%s: first message was %s, not Hello; closing", chan.name, type(hello).__name__)
             chan.close()
             return
         chan.session(hello.nonce, challenge)
         why = await self._claim(hello.agent_name)  # who it is, before what it is
         if why is None:
-            why = P.mismatch(self.manifest, hello.manifest)
+            why = wire.mismatch(self.manifest, hello.manifest)
         if why is None:
             try:
                 plan = make_plan(self.layout, layout_from(hello.manifest))
@@ -134,41 +136,39 @@ class PrefillServer:
             self.stats["refused"] += 1
             self._refused(addr, f"refused: {why}")
             try:
-                await chan.send(P.Refused(why))
+                await chan.send(wire.Refused(why))
             except (ConnectionError, OSError):
                 pass
             chan.close()
             return
         peer = Peer(next(self._ids), chan, agent_name, hello.manifest, hello.regions, plan, layout_from(hello.manifest))
+        gone = None  # why the connection ended (None: this process is stopping)
         self.peers[peer.id] = peer
         self._names[peer.id] = agent_name
         try:
             ev = self.engine.kv_events.publisher if self.engine.kv_events is not None else None
-            await chan.send(P.Welcome(self.manifest, self.agent.name, self.agent.metadata(), challenge,
-                                      ev.endpoint if ev else None, ev.replay_endpoint if ev else None))
+            await chan.send(wire.Welcome(self.manifest, self.agent.name, self.agent.metadata(), challenge,
+                                         ev.endpoint if ev else None, ev.replay_endpoint if ev else None))
+
             failures = self._refusals.pop(str(addr[0]) if addr else "?", None)
             log.info("decode server %s connected (agent %s, tp=%d)%s", addr, agent_name, hello.manifest.tp,
                      (failures and failures.recovered()) or "")
             while True:
                 msg = await chan.recv()
-                if isinstance(msg, P.PrefillReq):
+                if isinstance(msg, wire.PrefillReq):
                     self.loop.call(lambda m=msg: self._submit(peer, m))
-                elif isinstance(msg, P.Abort):
+                elif isinstance(msg, wire.Abort):
                     self.loop.call(lambda m=msg: self._abort(peer, m.rid))
-                elif isinstance(msg, P.Ping):
-                    await chan.send(P.Pong(msg.t, self.engine.load))
+                elif isinstance(msg, wire.Ping):
+                    await chan.send(wire.Pong(msg.t, self.engine.load))
                 else:
-                    chan._reject(f"unexpected {type(msg).__name__}")
-        except (P.ChannelClosed, ConnectionError, OSError) as e:  # a reset shows up on send, too
-            n = sum(1 for h in list(self.handoffs.by_local.values()) if h.peer == peer.id)  # engine thread's dict
-            if n:  # a decode server that stops cleanly has drained first: only a loss mid-request warns
-                log.warning("decode server %s gone: %s; aborting its %d requests", addr, e, n)
-            else:
-                log.info("decode server %s disconnected (%s)", addr, e)
+                    chan.reject(f"unexpected {type(msg).__name__}")
+        except (wire.ChannelClosed, ConnectionError, OSError) as e:  # a reset shows up on send, too
+            gone = f"{e}"
         finally:
             peer.alive = False
             chan.close()
-            self.loop.call(lambda: self._peer_lost(peer))
+            self.loop.call(lambda: self._peer_lost(peer, addr, gone))
 
     def _refused(self, addr, why: str, level: int = logging.ERROR) -> None:
         """A decode server that keeps retrying a refused handshake is a few lines, not one per attempt."""
@@ -181,14 +181,14 @@ class PrefillServer:
         """A decode agent is one peer at a time. Its earlier connection may be on its way out (the
         decode reconnected while this process was stopped): wait for that one's requests to settle, so
         that when Welcome goes out no write of the old session can still be posted; else refuse."""
-        def busy() -> list[int]:
-            shipping = {h.peer for h in list(self.handoffs.by_local.values())}
+        async def busy() -> list[int]:
+            shipping = await self.loop.run_on_loop(self.handoffs.peers)  # the engine thread's books
             return sorted(pid for pid, name in list(self._names.items())
                           if name == agent_name and (pid in self.peers or pid in shipping))
         deadline = time.monotonic() + wait_s
-        while busy() and time.monotonic() < deadline:
+        while await busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        ids = busy()
+        ids = await busy()
         if ids:
             return f"decode agent {agent_name!r} is already connected (peer {ids[0]})"
         return None
@@ -209,28 +209,27 @@ class PrefillServer:
     def _local(self, peer: Peer, rid: str) -> str:
         return f"p{peer.id}/{rid}"
 
-    def _submit(self, peer: Peer, m: P.PrefillReq) -> None:
+    def _submit(self, peer: Peer, m: wire.PrefillReq) -> None:
         local = self._local(peer, m.rid)
         if self.handoffs.get(local) is not None:
             log.warning("duplicate PrefillReq for %s from peer %d rejected", m.rid, peer.id)
             return
         n_pages = -(-len(m.prompt_ids) // self.point.page_size)
         if len(m.dst_pages) != n_pages - m.skip_pages or m.skip_pages < 0:
-            self._send(peer, P.PrefillFailed(m.rid, f"dst_pages has {len(m.dst_pages)} pages for {n_pages} prompt "
+            self._send(peer, wire.PrefillFailed(m.rid, f"dst_pages has {len(m.dst_pages)} pages for {n_pages} prompt "
                                                     f"pages with skip_pages = {m.skip_pages}"))
             return
         params = msgspec.structs.replace(m.params, max_tokens=1, stop=[])
         try:
             self.engine.add(m.prompt_ids, params, rid=local, session_id=m.session)
         except (LengthError, ValueError) as e:
-            self._send(peer, P.PrefillFailed(m.rid, str(e)))
+            self._send(peer, wire.PrefillFailed(m.rid, str(e)))
             return
         if m.expires and time.time() >= m.expires:  # read late (this process was stopped): decode gave up
             self.engine.abort(local)
-            self._send(peer, P.PrefillFailed(m.rid, "the request reached prefill after its handoff deadline"))
+            self._send(peer, wire.PrefillFailed(m.rid, "the request reached prefill after its handoff deadline"))
             return
-        h = self.handoffs.add(local, m.rid, peer.id, m.skip_pages, m.dst_pages)
-        h.expires, h.t_start = m.expires, time.monotonic()
+        self.handoffs.add(local, m.rid, peer.id, m.skip_pages, m.dst_pages, m.expires, started=time.monotonic())
         peer.requests += 1
         self.stats["requests"] += 1
 
@@ -241,15 +240,14 @@ class PrefillServer:
             h = self.handoffs.get(req.rid)
             if h is None:
                 continue
-            idx = Shipped.pages_ready(h, req.num_computed + n, req.num_prompt, self.point.page_size,
-                                      self.cfg.pipeline)
+            idx = h.pages_ready(req.num_computed + n, req.num_prompt, self.point.page_size, self.cfg.pipeline)
             if not idx:
                 continue
             peer = self.peers.get(h.peer)
             if peer is None or not peer.alive:
                 self._fail(req.rid, h, "decode peer gone")
                 continue
-            if h.expires and time.time() >= h.expires:
+            if h.expired(time.time()):
                 self._fail(req.rid, h, "handoff deadline passed before the KV was written")
                 continue
             src = [req.pages[i] for i in idx]
@@ -260,11 +258,9 @@ class PrefillServer:
                 h.hasher = digest.new()
             self.memory.update(h.hasher, sd)  # before the post: these pages are final, and held from here on
             sd, dd = coalesce(*by_segment(sd, dd, len(peer.plan)))
-            h.num_xfers += 1
-            h.descriptors += len(sd)
             t0 = time.monotonic()
             try:
-                handle = self.agent.write(peer.agent_name, sd, dd, f"{h.rid}|{h.num_xfers}".encode())
+                handle = self.agent.write(peer.agent_name, sd, dd, h.next_notif())
             except ConnectionError as e:
                 self.xfer_metrics.failed("kv_write", peer.agent_name)
                 self._fail(req.rid, h, str(e))
@@ -277,7 +273,7 @@ class PrefillServer:
             trace.phase(req, f"KV write {h.num_xfers} posted: {len(idx)} pages, {len(sd)} descriptors, "
                              f"{nbytes / 2**20:.1f} MiB to {peer.agent_name}")
             self.engine.hold(src)  # until the transfer is done, whatever happens to the request
-            Shipped.shipped(h, idx, Xfer(handle, src, nbytes, t0, h.num_xfers, req))
+            h.posted(idx, self.inflight.post(handle, src, nbytes, key=(req.rid, h.num_xfers, req), t0=t0), len(sd))
 
     def _on_output(self, out: StepOutput) -> None:
         if out.finished and self.metrics is not None:
@@ -288,12 +284,12 @@ class PrefillServer:
         if out.finish_reason == "abort":
             return
         lp = out.logprobs[0] if out.logprobs else None
-        self._send_to(h.peer, P.KVDone(h.rid, out.token_ids[0], lp.logprob if lp else None,
+        self._send_to(h.peer, wire.KVDone(h.rid, out.token_ids[0], lp.logprob if lp else None,
                                        [tuple(t) for t in lp.top] if lp else None, h.num_xfers,
                                        out.prompt_tokens - out.cached_tokens, out.cached_from or {},
                                        h.hasher.digest() if h.hasher is not None else b"", h.descriptors,
                                        time.monotonic() - h.t_start))
-        h.done = True
+        h.finish()
         self._settle(out.rid)
 
     def _poll(self) -> bool:
@@ -301,14 +297,15 @@ class PrefillServer:
         iteration, between steps)."""
         while self._failed:
             self.engine.abort(self._failed.pop())
-        for local, h, x, ok in self.handoffs.reap(self.agent.state):
-            self.agent.release(x.handle)
-            self.engine.drop(x.src)
+        for x, ok in self.inflight.reap():
+            local, n, req = x.key  # what _ship posted it with: the request's n-th write
+            h = self.handoffs.get(local)
+            h.ended(x)
+            self.engine.drop(x.pages)
             self.xfer_metrics.end("kv_write", self._names.get(h.peer, "?"), x.nbytes, ok, t0=x.t0)
             if ok:
-                if x.req is not None:
-                    trace.phase(x.req, f"KV write {x.n} done: {x.nbytes / 2**20:.1f} MiB in "
-                                       f"{(time.monotonic() - x.t0) * 1e3:.1f} ms")
+                trace.phase(req, f"KV write {n} done: {x.nbytes / 2**20:.1f} MiB in "
+                                 f"{(time.monotonic() - x.t0) * 1e3:.1f} ms")
                 self.stats["xfers"] += 1
                 self.stats["bytes"] += x.nbytes
                 self.stats["xfer_ms"] += (time.monotonic() - x.t0) * 1e3
@@ -319,13 +316,13 @@ class PrefillServer:
                 self._fail(local, h, "NIXL transfer failed")
         for local in list(self.handoffs.by_local):
             self._settle(local)
-        return bool(self.handoffs.held_pages())
+        return bool(self.inflight)
 
     def _settle(self, local: str) -> None:
         """Forget a shipment that is over; an aborted one is answered `Aborted` (nothing in flight)."""
         h = self.handoffs.get(local)
         if h is not None and self.handoffs.settle(local) == "aborted":
-            self._send_to(h.peer, P.Aborted(h.rid))
+            self._send_to(h.peer, wire.Aborted(h.rid))
 
     def _send_to(self, peer_id: int, msg) -> None:
         peer = self.peers.get(peer_id)
@@ -333,31 +330,37 @@ class PrefillServer:
             self._send(peer, msg)
 
     def _fail(self, local: str, h: Shipment, why: str) -> None:
-        if h.aborted:
+        if not h.abort():
             return
         self.stats["failed"] += 1
         log.warning("prefill of %s for decode peer %d failed: %s", h.rid, h.peer, why)
         # Not engine.abort here: this may run inside a step (on_forward), whose postprocess still
         # delivers the request's output. The abort waits for the next _poll, between steps.
         self._failed.append(local)
-        h.aborted = True
-        self._send_to(h.peer, P.PrefillFailed(h.rid, why))
+        self._send_to(h.peer, wire.PrefillFailed(h.rid, why))
 
     def _abort(self, peer: Peer, rid: str) -> None:
         local = self._local(peer, rid)
         h = self.handoffs.get(local)
         if h is None:  # finished (or never seen): nothing is in flight for it
-            self._send(peer, P.Aborted(rid))
+            self._send(peer, wire.Aborted(rid))
             return
         self.stats["aborted"] += 1
         self.engine.abort(local)
-        h.aborted = True
+        h.abort()
         self._settle(local)
 
-    def _peer_lost(self, peer: Peer) -> None:
-        for local in self.handoffs.of_peer(peer.id):
+    def _peer_lost(self, peer: Peer, addr, why: str | None) -> None:
+        """Engine thread: abort what it was sent (a decode server that stops cleanly has drained first:
+        only a loss mid-request warns)."""
+        mine = self.handoffs.of_peer(peer.id)
+        if why is not None and mine:
+            log.warning("decode server %s gone: %s; aborting its %d requests", addr, why, len(mine))
+        elif why is not None:
+            log.info("decode server %s disconnected (%s)", addr, why)
+        for local in mine:
             self.engine.abort(local)
-            self.handoffs.get(local).aborted = True
+            self.handoffs.get(local).abort()
             self._settle(local)
         self.peers.pop(peer.id, None)
         self.agent.remove_peer(peer.agent_name)

@@ -33,7 +33,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
@@ -41,24 +40,12 @@ from trnd.backends.omp import single_threaded
 from trnd.store import protocol as S
 from trnd.store.index import HAVE
 from trnd.store.links import Links, Store, StoreDown
+from trnd.transfer.inflight import InFlight
 from trnd.transfer.metrics import TransferMetrics
 from trnd.transfer.nixl import KVAgent
 from trnd.transfer.plan import Layout, descriptors, make_plan
 
 log = logging.getLogger("trnd.store.client")
-
-STUCK_S = 30.0  # a transfer still running after this is logged (its pages stay fenced)
-CHECKSUM_THREADS = 4
-
-
-@dataclass(eq=False)
-class _Xfer:
-    handle: object
-    fut: asyncio.Future
-    pages: list[int]  # local pages fenced until it ends (reads)
-    t0: float
-    warned: bool = False
-
 
 class StoreClient(Links):
     def __init__(self, addrs: list[str], secret: bytes, agent: KVAgent, local: Layout, pools: list[torch.Tensor],
@@ -95,9 +82,8 @@ class StoreClient(Links):
             self._rows.append(rows)
         self.stores = [Store(a, a.encode()) for a in addrs]
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # guards _fenced and the latency window (read from other threads)
-        self._fenced: dict[int, int] = {}
-        self._inflight: list[_Xfer] = []
+        self._lock = threading.Lock()  # guards the latency window (read from other threads)
+        self.inflight = InFlight(agent, "store")  # posted reads and writes; a read's pages fenced until it ends
         self._reaper: asyncio.Task | None = None
         self._sends: set[asyncio.Task] = set()
         self.counters = dict.fromkeys(("lookups", "reads", "writes", "timeouts", "failures"), 0)
@@ -134,8 +120,7 @@ class StoreClient(Links):
 
     def fenced(self) -> set[int]:
         """Local pages an unfinished NIXL READ may still write into: not to be reused yet."""
-        with self._lock:
-            return set(self._fenced)
+        return self.inflight.fenced()
 
     def owner(self, h: bytes) -> int:
         """Index of the store that owns page hash h (rendezvous hashing)."""
@@ -145,7 +130,7 @@ class StoreClient(Links):
     def state(self) -> dict:
         with self._lock:
             lat = sorted(self._load_ms)
-            fenced = len(self._fenced)
+        fenced = len(self.inflight.fenced())
         now = time.monotonic()
         return {
             "stores": [{"addr": s.addr, "healthy": s.healthy and now >= s.slow_until,
@@ -155,7 +140,7 @@ class StoreClient(Links):
                         "skipped_s": round(max(0.0, s.slow_until - now), 3), **dict(s.counters)}
                        for s in self.stores],
             **dict(self.counters),
-            "in_flight": len(self._inflight),
+            "in_flight": len(self.inflight),
             "fenced_pages": fenced,
             "load_ms": {"n": len(lat), "p50": round(lat[len(lat) // 2], 3) if lat else None,
                         "max": round(lat[-1], 3) if lat else None},
@@ -183,7 +168,7 @@ class StoreClient(Links):
         asyncio.set_event_loop(self.loop)
         # checksum threads gather pages with torch: single-threaded, no OpenMP pools beside the engine's
         self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
-            CHECKSUM_THREADS, "trnd-store-checksum", initializer=single_threaded))
+            S.CHECKSUM_THREADS, "trnd-store-checksum", initializer=single_threaded))
         for s in self.stores:
             self.loop.create_task(self._store_task(s))
         self.loop.call_soon(self._started.set)
@@ -197,9 +182,7 @@ class StoreClient(Links):
         for s in self.stores:
             if s.chan is not None:
                 s.chan.close()
-        for x in self._inflight:  # NIXL tries to cancel what is still moving
-            self.agent.release(x.handle)
-        self._inflight.clear()
+        self.inflight.cancel_all()
 
     def _check(self, hashes) -> None:
         for h in hashes:
@@ -395,50 +378,26 @@ class StoreClient(Links):
     # -- transfers and bytes ------------------------------------------------------------------------
 
     def _track(self, handle, pages: list[int], op: str, peer: str, nbytes: int) -> asyncio.Future:
-        """Poll a posted NIXL transfer; the future gets 'DONE' or 'ERR'. `pages` stay fenced until then,
-        whoever stopped waiting for the future. Counted in the transfer metrics when it ends."""
+        """A posted NIXL transfer; the future gets 'DONE' or 'ERR'. `pages` stay fenced until then, whoever
+        stopped waiting for the future (transfer/inflight.py). Counted in the transfer metrics when it ends."""
         t0 = self.xfer_metrics.start(op, peer)
-        x = _Xfer(handle, asyncio.get_running_loop().create_future(), pages, t0)
-        x.fut.add_done_callback(lambda f: self.xfer_metrics.end(
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(lambda f: self.xfer_metrics.end(
             op, peer, nbytes, ok=not f.cancelled() and f.result() == "DONE", t0=t0))
-        with self._lock:
-            for p in pages:
-                self._fenced[p] = self._fenced.get(p, 0) + 1
-        self._inflight.append(x)
+        self.inflight.post(handle, pages, nbytes, key=fut, t0=t0)
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
-        return x.fut
+        return fut
 
     async def _reap(self) -> None:
-        while self._inflight:
+        while self.inflight:
             await asyncio.sleep(0.0005)
-            for x in list(self._inflight):
-                state = self.agent.state(x.handle)
-                if state == "PROC":
-                    if not x.warned and time.monotonic() - x.t0 > STUCK_S:
-                        x.warned = True
-                        log.warning("a store transfer has run for %.0f s; %d pages stay fenced", STUCK_S,
-                                    len(x.pages))
-                    continue
-                self.agent.release(x.handle)
-                self._inflight.remove(x)
-                with self._lock:
-                    for p in x.pages:
-                        if self._fenced[p] == 1:
-                            del self._fenced[p]
-                        else:
-                            self._fenced[p] -= 1
-                if not x.fut.done():
-                    x.fut.set_result(state)
+            for x, ok in self.inflight.reap():
+                if not x.key.done():
+                    x.key.set_result("DONE" if ok else "ERR")
 
     async def _sums(self, pages: list[int]) -> list[bytes]:
-        """Checksums of local pages, hashed on up to CHECKSUM_THREADS executor threads (blake2b lets go
-        of the GIL)."""
-        loop = asyncio.get_running_loop()
-        k = -(-len(pages) // CHECKSUM_THREADS) or 1
-        parts = await asyncio.gather(*(loop.run_in_executor(None, self._checksums, pages[i:i + k])
-                                       for i in range(0, len(pages), k)))
-        return [c for part in parts for c in part]
+        return await S.checksums(self._checksums, pages)
 
     def _checksums(self, pages: list[int]) -> list[bytes]:
         """blake2b-128 of each local page's canonical bytes (gathered from every rank's pool)."""

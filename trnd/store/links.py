@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from trnd.aio import within
+from trnd.aio import reconnect, within
 from trnd.log import Failures
 from trnd.procs import dial
 from trnd.store import protocol as S
@@ -50,24 +50,12 @@ class Store:
 
 class Links:
     async def _store_task(self, s: Store) -> None:
-        backoff = 0.2
-        while True:
-            try:
-                await self._connect(s)
-                backoff = 0.2
-                await self._serve(s)
-            except asyncio.CancelledError:
-                raise
-            except (S.ChannelClosed, ConnectionError, OSError, TimeoutError) as e:
-                s.error = str(e) or e.__class__.__name__
-                if not s.healthy:  # connecting or handshaking (a loss once connected is _lost's line)
-                    s.failures.failed(s.error if s.refused else f"unreachable: {s.error}")
-            except Exception as e:  # never let one store's task die
-                s.error = f"{type(e).__name__}: {e}"
-                log.exception("store %s connection task", s.addr)
-            self._lost(s)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+        def failed(e: BaseException) -> None:
+            s.error = str(e) or e.__class__.__name__
+            if not s.healthy:  # connecting or handshaking (a loss once connected is _lost's line)
+                s.failures.failed(s.error if s.refused else f"unreachable: {s.error}")
+
+        await reconnect(lambda: self._connect(s), lambda: self._serve(s), failed, lambda: self._lost(s))
 
     async def _connect(self, s: Store) -> None:
         host, port = s.addr.rsplit(":", 1)

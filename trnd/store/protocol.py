@@ -13,15 +13,19 @@ client keeps many requests in flight on one connection.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
-from trnd.transfer.protocol import Challenge, Channel, ChannelClosed, new_nonce, session_key
+from trnd.transfer.protocol import Challenge, Channel, ChannelClosed, Ping, Pong, Refused, new_nonce, session_key
 
-__all__ = ["Challenge", "Channel", "ChannelClosed", "StoreChannel", "new_nonce", "session_key"]
+# The handshake's first and last words and the heartbeat are the roles' own (transfer/protocol.py).
+__all__ = ["Challenge", "Channel", "ChannelClosed", "Ping", "Pong", "Refused", "StoreChannel", "new_nonce",
+           "session_key"]
 
 STORE_PROTOCOL_VERSION = 1
 MAX_HASHES = 1 << 16  # pages in one request
@@ -31,9 +35,22 @@ Checksum = Annotated[bytes, Meta(min_length=16, max_length=16)]
 Hashes = Annotated[list[PageHash], Meta(max_length=MAX_HASHES)]
 
 
+CHECKSUM_THREADS = 4
+
+
 def checksum(data) -> bytes:
     """blake2b-128 of a canonical page's bytes (anything with the buffer protocol)."""
     return hashlib.blake2b(data, digest_size=16).digest()
+
+
+async def checksums(hash_all: Callable[[list[int]], list[bytes]], pages: list[int]) -> list[bytes]:
+    """hash_all(pages) in up to CHECKSUM_THREADS slices on the loop's executor threads (blake2b lets go
+    of the GIL), in order: the client's pages and the store's slots alike."""
+    loop = asyncio.get_running_loop()
+    k = -(-len(pages) // CHECKSUM_THREADS) or 1
+    parts = await asyncio.gather(*(loop.run_in_executor(None, hash_all, pages[i:i + k])
+                                   for i in range(0, len(pages), k)))
+    return [c for part in parts for c in part]
 
 
 class StoreManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,10 +97,6 @@ class StoreWelcome(msgspec.Struct, tag=True):
     num_slots: int
     lease_s: float
     nonce: bytes
-
-
-class Refused(msgspec.Struct, tag=True):
-    reason: str
 
 
 class Lookup(msgspec.Struct, tag=True):
@@ -144,14 +157,6 @@ class Corrupt(msgspec.Struct, tag=True):
 class Failed(msgspec.Struct, tag=True):
     id: int
     reason: str
-
-
-class Ping(msgspec.Struct, tag=True):
-    t: float
-
-
-class Pong(msgspec.Struct, tag=True):
-    t: float
 
 
 StoreMessage = (Challenge | StoreHello | StoreWelcome | Refused | Lookup | Found | Reserve | Reserved | Commit | Committed

@@ -42,7 +42,6 @@ log = logging.getLogger("trnd.store")
 
 DEBUG_ENV = "TRND_STORE_DEBUG"
 EXPIRE_EVERY_S = 0.1
-CHECKSUM_THREADS = 4
 
 
 @dataclass
@@ -224,7 +223,7 @@ class StoreServer:
         elif isinstance(msg, S.Ping):
             await c.chan.send(S.Pong(msg.t))
         else:
-            c.chan._reject(f"unexpected {type(msg).__name__}")
+            c.chan.reject(f"unexpected {type(msg).__name__}")
 
     async def _commit(self, c: Client, m: S.Commit) -> None:
         idx = self.index
@@ -286,12 +285,7 @@ class StoreServer:
             log.debug("send to %s: %s", c.name, e)
 
     async def _sums(self, slots: list[int]) -> list[bytes]:
-        """Slot checksums on up to CHECKSUM_THREADS executor threads (blake2b lets go of the GIL)."""
-        loop = asyncio.get_running_loop()
-        k = -(-len(slots) // CHECKSUM_THREADS) or 1
-        parts = await asyncio.gather(*(loop.run_in_executor(None, self._checksums, slots[i:i + k])
-                                       for i in range(0, len(slots), k)))
-        return [c for part in parts for c in part]
+        return await S.checksums(self._checksums, slots)
 
     def _checksums(self, slots: list[int]) -> list[bytes]:
         sb = self.slot_bytes

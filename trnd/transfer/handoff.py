@@ -1,49 +1,74 @@
 """The KV handoff's books, one per side, as plain ledgers keyed by request id and peer id.
 
 Prefill's `Shipped`: for each request it prefills for a decode peer, which of the prompt's pages were
-written so far and which NIXL writes are still reading its source pages (held until they end, whatever
-happens to the request). Decode's `Awaited`: for each request whose prompt KV a peer is writing, the
+written so far and which NIXL writes are still reading its source pages (transfer/inflight.py: held until
+they end, whatever happens to the request). Decode's `Awaited`: for each request whose prompt KV a peer is writing, the
 chunk notifications and the KVDone seen, whether it is fenced (aborted here, but a write may still
 land: wait for the peer's word), and the quarantine of pages a lost peer may still write into.
 
-No sockets, no engine, no clock of their own: the roles (roles/prefill.py, roles/decode.py) feed them
-what arrives and act on what they answer; tests/test_handoff.py drives them alone.
+No sockets, no engine, no clock of their own: prefill (roles/prefill.py) and decode's Inbox
+(roles/inbox.py) feed them what arrives and act on what they answer; tests/test_handoff.py drives them alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from trnd.transfer.inflight import Xfer
 
 # -- prefill: what was shipped ---------------------------------------------------------------------------
 
 
-@dataclass(eq=False)
-class Xfer:
-    """One NIXL write of a request chunk's pages; `src` stays held until it ends."""
-    handle: object
-    src: list[int]
-    nbytes: int
-    t0: float
-    n: int = 0  # the request's write number (1, 2, ...)
-    req: object = None  # the engine's request, for its timeline (engine/trace.py)
-
-
 @dataclass
 class Shipment:
-    """One request's KV on its way to a decode peer."""
+    """One request's KV on its way to a decode peer. Its flags change through its methods."""
     rid: str  # the decode server's request id
     peer: int  # decode peer id
     skip_pages: int  # leading prompt pages decode already holds (its prefix cache): not sent
     dst_pages: list[int]  # decode's pages for prompt pages skip_pages.. (one each)
     sent_pages: int  # prompt page index up to which writes were issued
-    num_xfers: int = 0
-    xfers: list[Xfer] = field(default_factory=list)  # in flight
+    expires: float = 0.0  # decode's wall clock: no write is posted after it (protocol.PrefillReq)
+    num_xfers: int = 0  # writes posted (KVDone tells decode how many notifications to wait for)
+    xfers: list[Xfer] = field(default_factory=list)  # in flight (transfer/inflight.py)
     done: bool = False  # first token sampled and KVDone sent
     aborted: bool = False
-    expires: float = 0.0  # decode's wall clock: no write is posted after it (protocol.PrefillReq)
     hasher: object = None  # the digest of every byte written so far (transfer/digest.py)
     descriptors: int = 0  # NIXL descriptors posted, after coalescing
     t_start: float = 0.0  # when prefill took the request (KVDone.prefill_s)
+
+    def pages_ready(self, computed: int, num_prompt: int, page_size: int, pipeline: bool) -> range:
+        """Prompt pages that `computed` tokens completed and that were not written yet: whole pages
+        while the prompt is still prefilling (only with pipelining), every page once it is done."""
+        if self.aborted or (computed < num_prompt and not pipeline):
+            return range(0)
+        upto = -(-computed // page_size) if computed >= num_prompt else computed // page_size
+        return range(self.sent_pages, max(self.sent_pages, upto))
+
+    def next_notif(self) -> bytes:
+        """The notification the next write carries (decode counts them per rid)."""
+        self.num_xfers += 1
+        return f"{self.rid}|{self.num_xfers}".encode()
+
+    def posted(self, pages: range, xfer: Xfer, descriptors: int = 1) -> None:
+        self.xfers.append(xfer)
+        self.sent_pages = pages.stop
+        self.descriptors += descriptors
+
+    def ended(self, xfer: Xfer) -> None:
+        self.xfers.remove(xfer)
+
+    def expired(self, wall_now: float) -> bool:
+        return bool(self.expires) and wall_now >= self.expires
+
+    def abort(self) -> bool:
+        """No more writes for it; False when it was aborted already."""
+        was, self.aborted = self.aborted, True
+        return not was
+
+    def finish(self) -> None:
+        """KVDone went out."""
+        self.done = True
 
 
 class Shipped:
@@ -56,38 +81,10 @@ class Shipped:
     def get(self, local: str) -> Shipment | None:
         return self.by_local.get(local)
 
-    def add(self, local: str, rid: str, peer: int, skip_pages: int, dst_pages: list[int]) -> Shipment:
-        s = self.by_local[local] = Shipment(rid, peer, skip_pages, dst_pages, skip_pages)
+    def add(self, local: str, rid: str, peer: int, skip_pages: int, dst_pages: list[int],
+            expires: float = 0.0, started: float = 0.0) -> Shipment:
+        s = self.by_local[local] = Shipment(rid, peer, skip_pages, dst_pages, skip_pages, expires, t_start=started)
         return s
-
-    @staticmethod
-    def pages_ready(s: Shipment, computed: int, num_prompt: int, page_size: int, pipeline: bool) -> range:
-        """Prompt pages that `computed` tokens completed and that were not written yet: whole pages
-        while the prompt is still prefilling (only with pipelining), every page once it is done."""
-        if s.aborted or (computed < num_prompt and not pipeline):
-            return range(0)
-        upto = -(-computed // page_size) if computed >= num_prompt else computed // page_size
-        return range(s.sent_pages, max(s.sent_pages, upto))
-
-    @staticmethod
-    def shipped(s: Shipment, pages: range, xfer: Xfer) -> None:
-        s.xfers.append(xfer)
-        s.sent_pages = pages.stop
-
-    def reap(self, state_of) -> list[tuple[str, Shipment, Xfer, bool]]:
-        """Take every write that ended: (local, shipment, xfer, ok). state_of(handle): "PROC" while
-        it runs, "DONE" when it succeeded, anything else when it failed."""
-        ended = []
-        for local, s in self.by_local.items():
-            still = []
-            for x in s.xfers:
-                st = state_of(x.handle)
-                if st == "PROC":
-                    still.append(x)
-                else:
-                    ended.append((local, s, x, st == "DONE"))
-            s.xfers = still
-        return ended
 
     def settle(self, local: str) -> str | None:
         """Forget a shipment with nothing in flight that is over. "aborted": tell the peer `Aborted`
@@ -106,8 +103,9 @@ class Shipped:
     def of_peer(self, peer: int) -> list[str]:
         return [local for local, s in self.by_local.items() if s.peer == peer]
 
-    def held_pages(self) -> list[list[int]]:
-        return [x.src for s in self.by_local.values() for x in s.xfers]
+    def peers(self) -> set[int]:
+        """Decode peers something is still shipped to (engine thread: asyncio asks through the loop)."""
+        return {s.peer for s in self.by_local.values()}
 
 
 # -- decode: what is awaited -----------------------------------------------------------------------------
@@ -183,14 +181,21 @@ class Awaited:
         a.fenced = True
         return True
 
-    def overdue(self, now: float) -> list[Awaiting]:
-        """Handoffs past their deadline: over ("timeout"), their target pages cut (the caller holds them
-        and asks the peer to abort) until the peer says nothing is in flight, or is lost."""
+    def overdue(self, now: float, connected: Callable[[str], bool], fence_s: float) -> list[tuple[Awaiting, bool]]:
+        """Handoffs past their deadline: over ("timeout"); the caller holds their target pages. A connected
+        peer's are cut until its word (True: ask it to abort); a peer not connected can post nothing new,
+        and what it posted lands within fence_s: quarantined (False)."""
         late = [a for a in self.entries.values() if a.over is None and not a.fenced and a.deadline and now >= a.deadline]
+        out = []
         for a in late:
             a.over, a.reason = "timeout", self._late(a)
-            self.cut[a.rid] = (a.peer, a.target)
-        return late
+            ask = connected(a.peer)
+            if ask:
+                self.cut[a.rid] = (a.peer, a.target)
+            else:
+                self.quarantine.append((now + fence_s, a.target, a.peer))
+            out.append((a, ask))
+        return out
 
     @staticmethod
     def _late(a: Awaiting) -> str:
@@ -252,9 +257,6 @@ class Awaited:
 
     def outstanding(self, peer: str) -> int:
         return sum(1 for a in self.entries.values() if a.peer == peer and a.over is None)
-
-    def fenced_count(self) -> int:
-        return sum(1 for a in self.entries.values() if a.fenced)
 
     def quarantined_pages(self) -> int:
         return (sum(len(pages) for _, pages, _ in self.quarantine)

@@ -158,7 +158,7 @@ class Ping(msgspec.Struct, tag=True):
 
 class Pong(msgspec.Struct, tag=True):
     t: float
-    load: int  # requests queued or running on the prefill server
+    load: int = 0  # requests queued or running on the prefill server (a store sends none)
 
 
 Message = Challenge | Hello | Welcome | Refused | PrefillReq | Abort | Aborted | KVDone | PrefillFailed | Ping | Pong
@@ -263,24 +263,25 @@ class Channel:
             try:
                 frame = _frame_dec.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self._reject(f"malformed frame ({e})")
+                self.reject(f"malformed frame ({e})")
                 continue
             if not hmac.compare_digest(frame.mac, self._mac(frame.seq, frame.body)):
-                self._reject(f"bad MAC on frame seq {frame.seq} (forged, or a different secret)")
+                self.reject(f"bad MAC on frame seq {frame.seq} (forged, or a different secret)")
                 continue
             if frame.seq != self.recv_seq + 1:
-                self._reject(f"frame seq {frame.seq}, expected {self.recv_seq + 1} (duplicate or replay)")
+                self.reject(f"frame seq {frame.seq}, expected {self.recv_seq + 1} (duplicate or replay)")
                 continue
             try:
                 msg = self.decoder.decode(frame.body)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 self.recv_seq = frame.seq
-                self._reject(f"malformed message ({e})")
+                self.reject(f"malformed message ({e})")
                 continue
             self.recv_seq = frame.seq
             return msg
 
-    def _reject(self, why: str) -> None:
+    def reject(self, why: str) -> None:
+        """Count and log a message this side will not act on (the connection stays)."""
         self.rejected += 1
         log.warning("control message from %s rejected: %s", self.name, why)
 
