@@ -72,7 +72,9 @@ def _table_cases():
         argv = role[name]
         cases.append((name, "model path", [a if a != "M" else "NOPE" for a in argv], 78, "nope/config.json"))
         cases.append((name, "architecture", [a if a != "M" else "MOE" for a in argv], 78, "MambaForCausalLM"))
-        cases.append((name, "point", [*argv, "--point", "9k"], 78, "'9k'"))
+        # a point is a disaggregated deployment's: one process refuses it by name, whatever the value
+        cases.append((name, "point", [*argv, "--point", "9k"], 78, "'9k'" if name != "aggregated" else
+                      "point: it does not apply with aggregated"))
         cases.append((name, "backend", [*argv, "--backend", "neuron"], 69, "Neuron"))
     for name in ("prefill", "decode"):
         cases.append((name, "core lock", [*role[name], "--core-lock", "NOPE/cores.lock"], 78, "core_lock"))
