@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from trnd import tuning
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+tuning.tune()  # the suite runs engines in this process: tuned as `trnd serve` is, before torch loads
 
 
 def _import_hugging_face_kernels() -> None:

@@ -55,8 +55,8 @@ def test_main_pool_released_and_helpers_single_threaded():
 
 def _omp_env(**env) -> list[str]:
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "TRND_GOMP_DEFAULT")}
-    code = ("import os, trnd; e = trnd.environ_as_started(); "
-            "print(trnd.OMP_SET_BY_OPERATOR, os.environ.get('GOMP_SPINCOUNT'), e.get('GOMP_SPINCOUNT'))")
+    code = ("import os; from trnd import tuning; op = tuning.omp_set_by_operator(); tuning.tune(); "
+            "e = tuning.environ_as_started(); print(op, os.environ.get('GOMP_SPINCOUNT'), e.get('GOMP_SPINCOUNT'))")
     r = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout.split()
@@ -71,3 +71,16 @@ def test_the_spin_default_is_told_apart_from_an_operators_setting():
     assert _omp_env(GOMP_SPINCOUNT="20000") == ["True", "20000", "20000"]  # the operator's, though the same value
     assert _omp_env(GOMP_SPINCOUNT="1000", TRND_GOMP_DEFAULT="20000") == ["True", "1000", "1000"]  # a parent's choice
     assert _omp_env(OMP_WAIT_POLICY="PASSIVE") == ["True", "None", "None"]
+
+
+def test_importing_trnd_leaves_the_process_as_it_is():
+    """Only the commands that run an engine tune the process (trnd/tuning.py, from cli.py): `trnd top`, a
+    client importing trnd.config or trnd.snapshot, get no OpenMP spin, malloc change or ISA cap."""
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "TRND_GOMP_DEFAULT",
+                                                              "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    code = ("import os, trnd, trnd.config, trnd.snapshot, trnd.top.app; "
+            "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('ONEDNN_MAX_CPU_ISA'))")
+    r = subprocess.run([sys.executable, "-c", code], env={**base, "TRND_CPU_ISA": "avx2"}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["None", "None"]

@@ -378,14 +378,17 @@ def argv_source(role: str, load: Callable[[str | None, dict], object],
 
 
 # The commands that load a model or hold KV pages: started from the command line, they re-exec once with
-# glibc's huge-page tunable (trnd/__init__.py huge_pages_environ); their children inherit it.
+# glibc's huge-page tunable (trnd/tuning.py huge_pages_environ); their children inherit it.
 HUGE_PAGE_COMMANDS = ("serve", "prefill", "decode", "store", "bench", "compile")
+# The commands that run an engine or its kernels tune the process before torch loads (trnd/tuning.py);
+# `trnd top`, `trnd router`, `trnd points` and `trnd model` leave it as it is.
+TUNED_COMMANDS = (*HUGE_PAGE_COMMANDS, "check")
 
 
 def _reexec_with_huge_pages(argv: list[str]) -> None:
     import os
 
-    from trnd import huge_pages_environ
+    from trnd.tuning import huge_pages_environ
 
     env = huge_pages_environ() if argv[:1] and argv[0] in HUGE_PAGE_COMMANDS else None
     if env is not None and getattr(sys, "orig_argv", None):
@@ -396,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command line, not a caller in this process (tests): may re-exec
         _reexec_with_huge_pages(sys.argv[1:])
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in TUNED_COMMANDS:
+        from trnd import tuning
+
+        tuning.tune()
     if argv[:1] == ["check"]:  # the operator's device check: its own flags (trnd check --help)
         from trnd.check import main as check_main
 

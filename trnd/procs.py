@@ -13,6 +13,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 EX_CONFIG = 78  # sysexits.h: a bad configuration; systemd units do not restart on it
 EX_UNAVAILABLE = 69  # sysexits.h: the backend cannot run on this host (`trnd check` exits so too)
@@ -138,17 +139,23 @@ def is_ready(port: int, path: str = "/ready", timeout: float = 0.5) -> bool:
         return False
 
 
-def wait_ready(port: int, procs: list[subprocess.Popen], timeout: float = 300.0, path: str = "/ready") -> None:
-    """Until GET `path` answers 200; raises if one of `procs` exits first or `timeout` passes."""
-    deadline = time.monotonic() + timeout
+def wait_ready(port: int, procs: list[subprocess.Popen], timeout: float = 300.0, path: str = "/ready",
+               output: Callable[[], str] | None = None, interval: float = 0.2) -> float:
+    """Until GET `path` on loopback answers 200; returns the seconds it took. Raises RuntimeError if one of
+    `procs` exits first, TimeoutError after `timeout`; either message ends with `output()` (what the
+    process wrote) when given. The one wait the benchmarks, the tests and their helpers share."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    tail = (lambda: f":\n{output()}") if output is not None else (lambda: "")
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{' '.join(map(str, p.args))[:200]} exited with {p.returncode} before it was ready")
+                raise RuntimeError(f"{' '.join(map(str, p.args))[:200]} exited with {p.returncode} before it was "
+                                   f"ready{tail()}")
         if is_ready(port, path, timeout=2.0):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"port {port} not ready after {timeout} s")
+            return time.monotonic() - t0
+        time.sleep(interval)
+    raise TimeoutError(f"port {port} not ready after {timeout} s{tail()}")
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from trnd import environ_as_started
+from trnd.tuning import environ_as_started
 from trnd.bench.servers import WRAPPER, Server, TCMALLOC, peer_dtype
 from trnd.procs import free_port
 

@@ -15,7 +15,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trnd import environ_as_started
+from trnd.procs import wait_ready
+from trnd.tuning import environ_as_started
 from trnd.procs import free_port
 
 
@@ -81,23 +82,25 @@ class Server:
                                          stdin=subprocess.DEVNULL, start_new_session=True)
 
     def wait_ready(self, timeout: float) -> float:
-        """Poll the readiness probe, then /v1/models for the served name; returns seconds to ready."""
-        base = f"http://127.0.0.1:{self.port}"
+        """The readiness probe (trnd.procs.wait_ready), then /v1/models for the served name; returns seconds
+        to ready."""
         deadline = time.monotonic() + timeout
+        try:
+            wait_ready(self.port, [self.proc], max(0.0, deadline - time.monotonic()), self.ready_path,
+                       output=lambda: f"{self.key}'s log {self.log}:\n{tail(self.log)}", interval=1.0)
+        except TimeoutError as e:
+            raise RuntimeError(str(e)) from None
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.key} exited with {self.proc.returncode} before it was ready; "
-                                   f"log {self.log}:\n{tail(self.log)}")
             try:
-                if http_get(base + self.ready_path)[0] == 200:
-                    code, body = http_get(base + "/v1/models")
-                    if code == 200:
-                        self.model_name = json.loads(body)["data"][0]["id"]
-                        return time.monotonic() - self.started_s
-            except (OSError, ValueError):
-                pass
+                code, body = http_get(f"http://127.0.0.1:{self.port}/v1/models")
+            except OSError:
+                code = 0
+            if code == 200:
+                self.model_name = json.loads(body)["data"][0]["id"]
+                return time.monotonic() - self.started_s
             time.sleep(1.0)
-        raise RuntimeError(f"{self.key} not ready after {timeout:.0f} s; log {self.log}:\n{tail(self.log)}")
+        raise RuntimeError(f"{self.key}: /v1/models did not answer within {timeout:.0f} s; log {self.log}:\n"
+                           f"{tail(self.log)}")
 
     def stop(self) -> None:
         """SIGTERM to the server (it stops its own children), then the whole process group it leads."""

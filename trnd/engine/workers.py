@@ -21,7 +21,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from trnd import OMP_SET_BY_OPERATOR, SHARED_CORES_SPINCOUNT
+from trnd.tuning import SHARED_CORES_SPINCOUNT, keep_large_blocks, omp_set_by_operator
 from trnd.engine.runner import ModelRunner, StepInputs
 from trnd.parallel import TPGroup
 from trnd.procs import die_with_parent, free_port
@@ -53,6 +53,7 @@ def worker_main(rank: int, size: int, port: int, model_dir: str, dtype: str | No
                 kv: torch.Tensor, threads: int | None) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the role process decides when ranks stop
+    keep_large_blocks()  # an engine process like its role (trnd/tuning.py); the spin and ISA caps are inherited
     from trnd.model.loader import load_model
 
     if threads:
@@ -81,10 +82,10 @@ class WorkerGroup:
         self.procs = [ctx.Process(target=worker_main, name=f"trnd-rank{r}", daemon=True,
                                   args=(r, size, self.port, model_dir, dtype, backend, pools[r], threads))
                       for r in range(1, size)]
-        # Ranks share the node's cores with rank 0: a short OpenMP spin (trnd/__init__.py). Not
+        # Ranks share the node's cores with rank 0: a short OpenMP spin (trnd/tuning.py). Not
         # OMP_WAIT_POLICY=PASSIVE: libgomp lets the GOMP_SPINCOUNT a spawned rank inherits override it.
         saved = os.environ.get("GOMP_SPINCOUNT")
-        if not OMP_SET_BY_OPERATOR:
+        if not omp_set_by_operator():
             os.environ["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
         try:
             for p in self.procs:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 
-from trnd import OMP_SET_BY_OPERATOR, SHARED_CORES_SPINCOUNT
+from trnd.tuning import SHARED_CORES_SPINCOUNT, omp_set_by_operator
 from trnd.config import ConfigError, LocalConfig
 from trnd.daemon import notify
 from trnd.procs import EX_CONFIG, bind_port, die_with_parent, free_port
@@ -191,8 +191,8 @@ def run(cfg: LocalConfig, reload_source=None) -> int:
     model = str(resolve_model(cfg.model))
     ModelConfig.from_dir(model)  # a bad model is one line here, not one per child
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-    if not OMP_SET_BY_OPERATOR and not cfg.deploy.share_cores:
-        # the roles compute on this node's cores at once: a short spin (trnd/__init__.py); taking turns
+    if not omp_set_by_operator() and not cfg.deploy.share_cores:
+        # the roles compute on this node's cores at once: a short spin (trnd/tuning.py); taking turns
         # (share_cores, engine/corelock.py) each keeps the spin of a role alone
         env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
     watchdog_s = notify.watchdog_interval()
