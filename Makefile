@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # made once. TEST_JOBS=0 runs it in this process, one test at a time.
 TEST_JOBS ?= 2
 
-.PHONY: serve test test-fast venv clean
+.PHONY: serve test test-unit test-procs test-system test-kernels test-fast venv clean
 
 # The editable install runs the package build (setup.py's build_kernels: the compiled CPU kernels, as in the
 # wheel), here against the venv's torch rather than a second copy of it in an isolated build environment.
@@ -35,6 +35,19 @@ serve: venv
 
 test: venv
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+
+# The layers (README, "Tests"): unit first, in about a minute; then what the change touched.
+test-unit: venv
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow" tests/unit $(PYTEST_ARGS)
+
+test-procs: venv
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/procs $(PYTEST_ARGS)
+
+test-system: venv
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/system $(PYTEST_ARGS)
+
+test-kernels: venv
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/kernels $(PYTEST_ARGS)
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
