@@ -25,7 +25,7 @@ from trnd.events.publisher import Publisher
 from trnd.events.record import Recorder
 from trnd.events.subscriber import Subscriber
 
-from .test_api_openai import Server
+from tests.launch import Server
 
 VLLM_PY = Path(os.environ.get("TRND_VLLM_PEER", "/work/peers/vllm")) / "bin" / "python"
 
