@@ -1,4 +1,6 @@
-"""The `trnd` command: serve, prefill, decode, store, top, check, points, model, compile, bench."""
+"""The `trnd` command: serve, prefill, decode, router, store, top, check, points, model, compile, bench. The only
+place that parses argv: each command's flags are its config's fields (trnd/config.py), loaded flat; the commands
+that run an engine tune the process first (trnd/tuning.py)."""
 
 from __future__ import annotations
 
@@ -426,12 +428,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in ("serve", "prefill", "decode", "router"):
             from functools import partial
 
-            from trnd.config import DecodeConfig, LocalConfig, PrefillConfig, RouterConfig, load_config, load_serve_config
+            from trnd.config import (DecodeConfig, LocalConfig, PrefillConfig, RouterConfig, load_config,
+                                     load_serve_config)
             from trnd.log import setup_logging
             from trnd.roles import decode, local, prefill, router, serve
 
             load = {"serve": load_serve_config, "prefill": partial(load_config, PrefillConfig),
-                    "decode": partial(load_config, DecodeConfig), "router": partial(load_config, RouterConfig)}[args.cmd]
+                    "decode": partial(load_config, DecodeConfig),
+                    "router": partial(load_config, RouterConfig)}[args.cmd]
             flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
             cfg = load(args.config, flags)
             if args.cmd != "router":

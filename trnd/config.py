@@ -130,7 +130,8 @@ def engine_conflict(*, static: bool, compile_cache: str | None, compile_decode: 
         for bad, why in ((backend != "cpu", f"backend = {backend!r} (it compiles for the CPU)"),
                          (tp > 1, f"tp = {tp} (it runs one rank)"),
                          (static_on, "static (the static path compiles every step already)"),
-                         (kv_cache_dtype != "auto", f"kv_cache_dtype = {kv_cache_dtype!r} (it reads model-dtype pages)")):
+                         (kv_cache_dtype != "auto",
+                          f"kv_cache_dtype = {kv_cache_dtype!r} (it reads model-dtype pages)")):
             if bad:
                 return "compile_decode", f"compile_decode does not go with {why}"
     return None
@@ -139,7 +140,8 @@ def engine_conflict(*, static: bool, compile_cache: str | None, compile_decode: 
 class EngineKnobs(Part):
     """What the engine is, on every role that runs one. A new engine flag is a field here and a flag in
     cli.py `_engine_flags`; engine/build.py EngineConfig.from_role takes it over."""
-    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"  # auto: the checkpoint's, or float32 on a CPU without native bf16
+    # auto: the checkpoint's, or float32 on a CPU without native bf16 (backends/cpu.py)
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # fp8: fp8 pages + scales
     backend: Literal["cpu", "cuda", "neuron"] = "cpu"
     tp: Annotated[int, Meta(ge=1, le=64)] = 1  # tensor-parallel ranks (processes)
@@ -147,7 +149,7 @@ class EngineKnobs(Part):
     kv_memory_gb: Annotated[float, Meta(gt=0)] = 1.0
     prefix_cache: bool = True
     static: bool = False  # every step padded to the point's buckets, one compiled graph each (engine/static.py)
-    compile_cache: str | None = None  # a `trnd compile` output dir: its graphs are loaded, none compiled (implies static)
+    compile_cache: str | None = None  # a `trnd compile` dir: its graphs are loaded, none compiled (implies static)
     compile_decode: bool = False  # CPU: decode-only steps as one inductor graph, compiled at start (engine/compiled.py)
     # A file every role on this node's cores locks around each forward pass, so they take turns instead of
     # oversubscribing the cores (engine/corelock.py); `trnd serve` sets one for its roles. None: off.
@@ -275,56 +277,62 @@ class Secret:
         return got
 
 
-class ServeConfig(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=True):
-    """`trnd serve --aggregated`: one process owning model, scheduler and HTTP front."""
+class RoleBase(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=True):
+    """What every role that runs an engine has: its model, log level, control-plane secret, engine, tiers."""
     model: str | None = None  # None: the embedded default (a small model made on first use)
     log_level: LogLevel = "info"
-    secret: str | None = None  # control-plane secret of the stores (L3); prefer secret_file
-    secret_file: str | None = None
-    kv_events: KVEventsConfig | None = None  # KV events in vLLM's format (trnd/events); None: off
-    http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
-    api: APIConfig = msgspec.field(default_factory=APIConfig)
+    secret: str | None = None  # control-plane shared secret (peers, stores); prefer secret_file
+    secret_file: str | None = None  # e.g. ${CREDENTIALS_DIRECTORY}/trnd_control_secret under systemd
     engine: EngineKnobs = msgspec.field(default_factory=EngineKnobs)
     tiers: TierConfig = msgspec.field(default_factory=TierConfig)
-    shapes: Shapes = msgspec.field(default_factory=Shapes)
 
     def __post_init__(self):
         _check_files(self)
+
+
+class FrontBase(RoleBase, kw_only=True):
+    """A role with the OpenAI routes: its port and their limits."""
+    http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
+    api: APIConfig = msgspec.field(default_factory=APIConfig)
+
+
+class PointFront(FrontBase, kw_only=True):
+    """An OpenAI front whose engines run at a decode point (the local deployment, a decode server)."""
+    point: str = "8k"  # fixes page size, max context, max batch and prefill chunk: every role must name the same
+    max_model_len: Positive | None = None  # below the point's max context
+    # Conditional disaggregation (Dynamo's max_local_prefill_length): a new prompt with at most this many
+    # tokens past the decode server's own prefix-cache hit is prefilled there, mixed into the decode steps,
+    # instead of handed to a prefill peer (roles/decode.py). 0: every prompt to a peer. None (auto):
+    # roles/decode.py's LOCAL_PREFILL_SHARED_CORES where the roles take turns on the node's cores, else 0.
+    local_prefill_tokens: Annotated[int, Meta(ge=0)] | None = None
+
+    def __post_init__(self):
+        _check_point(self.point)
+        super().__post_init__()
+
+
+class ServeConfig(FrontBase, kw_only=True):
+    """`trnd serve --aggregated`: one process owning model, scheduler and HTTP front."""
+    kv_events: KVEventsConfig | None = None  # KV events in vLLM's format (trnd/events); None: off
+    shapes: Shapes = msgspec.field(default_factory=Shapes)
+
+    def __post_init__(self):
+        super().__post_init__()
         if self.engine.compile_cache is not None:
             raise _invalid("compile_cache", "compile_cache holds a decode point's graphs: it serves the prefill and "
                                             "decode roles (trnd serve without --aggregated); --aggregated takes "
                                             "--static alone")
 
 
-class LocalConfig(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=True):
+class LocalConfig(PointFront, kw_only=True):
     """`trnd serve`: a local deployment, prefill and decode servers (and a router) on loopback under one
-    supervisor (roles/local.py). Its roles' shapes come from the decode point."""
-    model: str | None = None
-    log_level: LogLevel = "info"
-    secret: str | None = None  # shared with stores the operator runs; None: a fresh one for the children
-    secret_file: str | None = None
-    point: str = "8k"  # decode point of the deployment's roles
-    max_model_len: Positive | None = None  # below the point's max context (the decode servers')
-    local_prefill_tokens: Annotated[int, Meta(ge=0)] | None = None  # as DecodeConfig's
-    http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
-    api: APIConfig = msgspec.field(default_factory=APIConfig)
-    engine: EngineKnobs = msgspec.field(default_factory=EngineKnobs)
-    tiers: TierConfig = msgspec.field(default_factory=TierConfig)
+    supervisor (roles/local.py). Its roles' shapes come from the decode point; `secret` (None: a fresh one
+    for the children) is shared with stores the operator runs."""
     deploy: Deployment = msgspec.field(default_factory=Deployment)
 
-    def __post_init__(self):
-        _check_point(self.point)
-        _check_files(self)
 
-
-class DecodeConfig(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=True):
+class DecodeConfig(PointFront, kw_only=True):
     """`trnd decode`: the OpenAI front that owns each request; its prompts' KV comes from prefill peers."""
-    model: str | None = None
-    log_level: LogLevel = "info"
-    secret: str | None = None  # control-plane shared secret (prefer secret_file)
-    secret_file: str | None = None  # e.g. ${CREDENTIALS_DIRECTORY}/control_secret under systemd
-    point: str = "8k"  # fixes page size, max context, max batch and prefill chunk: the peers' must match
-    max_model_len: Positive | None = None  # below the point's max context
     prefill: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8100"])  # host:port of prefill peers
     heartbeat_s: Seconds = 1.0
     peer_timeout_s: Seconds = 3.0  # no frame for this long: the peer is dead
@@ -336,39 +344,20 @@ class DecodeConfig(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=T
     # A prompt whose KV would take longer to cross the link to a prefill peer than to compute is computed here
     # (the link's rate and the peer's compute measured on earlier handoffs: transfer/linkrate.py).
     local_when_link_slower: bool = True
-    # Conditional disaggregation (Dynamo's max_local_prefill_length): a new prompt with at most this many
-    # tokens past this server's own prefix-cache hit is prefilled here, mixed into the decode steps, instead
-    # of handed to a prefill peer (roles/decode.py). 0: every prompt to a peer. None (auto): roles/decode.py's
-    # LOCAL_PREFILL_SHARED_CORES where the roles take turns on this node's cores (core_lock set), else 0.
-    local_prefill_tokens: Annotated[int, Meta(ge=0)] | None = None
     kv_events: KVEventsConfig | None = None  # KV events in vLLM's format (trnd/events); None: off
-    http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
-    api: APIConfig = msgspec.field(default_factory=APIConfig)
-    engine: EngineKnobs = msgspec.field(default_factory=EngineKnobs)
-    tiers: TierConfig = msgspec.field(default_factory=TierConfig)
-
-    def __post_init__(self):
-        _check_point(self.point)
-        _check_files(self)
 
 
-class PrefillConfig(msgspec.Struct, Secret, forbid_unknown_fields=True, kw_only=True):
+class PrefillConfig(RoleBase, kw_only=True):
     """`trnd prefill`: a KV factory for decode servers, with an admin port."""
-    model: str | None = None
-    log_level: LogLevel = "info"
-    secret: str | None = None
-    secret_file: str | None = None
     point: str = "8k"  # as DecodeConfig's: both roles must name the same one
     control_port: Port = 8100  # decode servers connect here (msgspec + HMAC frames)
     pipeline: bool = True  # write each chunk's pages while the next computes; False: all at the end (benchmarks)
     kv_events: KVEventsConfig | None = None  # as DecodeConfig's: prefill's cache (the prefill leg's routes)
     http: AdminPort = msgspec.field(default_factory=AdminPort)
-    engine: EngineKnobs = msgspec.field(default_factory=EngineKnobs)
-    tiers: TierConfig = msgspec.field(default_factory=TierConfig)
 
     def __post_init__(self):
         _check_point(self.point)
-        _check_files(self)
+        super().__post_init__()
         if self.engine.compile_decode:
             raise _invalid("compile_decode", "compile_decode speeds up decode steps: a prefill server runs none")
 
@@ -452,7 +441,8 @@ def nest(cls: type[msgspec.Struct], data: dict) -> dict:
 def keys(cls: type[msgspec.Struct]) -> set[str]:
     """The flat names a role's config takes."""
     parts = parts_of(cls)
-    return {*(k for k in cls.__struct_fields__ if k not in parts), *(k for p in parts.values() for k in p.__struct_fields__)}
+    return {*(k for k in cls.__struct_fields__ if k not in parts),
+            *(k for p in parts.values() for k in p.__struct_fields__)}
 
 
 def flat(cfg: msgspec.Struct) -> dict:

@@ -54,8 +54,8 @@ def environ_as_started() -> dict[str, str]:
 def keep_large_blocks() -> None:
     """glibc serves every allocation above 128 KiB-32 MiB with a fresh mmap and returns it with munmap,
     so each step's large temporaries (the pages a decode batch attends over) are page-faulted in again,
-    every layer, every step (docs/RESULTS.md, "Engine: trnd vs transformers"). vLLM's CPU docs preload tcmalloc for the same
-    reason; this keeps glibc and asks it to reuse (raise the mmap threshold to 1 GiB and never trim below
+    every layer, every step (docs/RESULTS.md, "Engine: trnd vs transformers"). vLLM's CPU docs preload
+    tcmalloc for the same reason; this keeps glibc and asks it to reuse (raise the mmap threshold to 1 GiB and never trim below
     2 GiB). TRND_MALLOC_TUNE=0 leaves glibc as it is."""
     if os.environ.get("TRND_MALLOC_TUNE", "1") == "0" or not os.path.exists("/proc/self/maps"):
         return

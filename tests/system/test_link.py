@@ -12,23 +12,23 @@ import msgspec
 import pytest
 
 from trnd.sampling_params import SamplingParams
-from trnd.transfer import protocol as P
+from trnd.transfer import protocol as wire
 
 from tests.launch import admin_state, free_port, stop, wait_ready
 from tests.procs.test_disagg import aggregated, prompts
 
 
-def _manifest(**kw) -> P.Manifest:
+def _manifest(**kw) -> wire.Manifest:
     base = dict(role="prefill", model_name="m", model_fingerprint="f", dtype="float32", num_layers=2, num_kv_heads=2,
                 head_dim=8, page_size=16, point="8k", max_context=8192, max_batch=8, tp=1, rank_heads=[(0, 2)],
                 page_bytes=1024)
-    return P.Manifest(**(base | kw))
+    return wire.Manifest(**(base | kw))
 
 
 def test_a_transfer_backend_mismatch_is_refused_naming_it():
     a, b = _manifest(), _manifest(role="decode", transfer_backend="libfabric")
-    assert P.mismatch(a, b) == "transfer_backend: prefill has 'ucx', decode has 'libfabric'"
-    assert P.mismatch(a, msgspec.structs.replace(b, transfer_backend="ucx")) is None
+    assert wire.mismatch(a, b) == "transfer_backend: prefill has 'ucx', decode has 'libfabric'"
+    assert wire.mismatch(a, msgspec.structs.replace(b, transfer_backend="ucx")) is None
 
 
 def test_libfabric_is_refused_in_one_line_where_its_library_is_missing(tiny_qwen3, tmp_path):

@@ -61,7 +61,3 @@ class ReasoningParser:
 
     def finish(self) -> tuple[str, str]:
         return self.push("", final=True)
-
-    @property
-    def reasoning_ended(self) -> bool:
-        return self.state == "content"

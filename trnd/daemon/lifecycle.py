@@ -184,10 +184,11 @@ class Lifecycle:
             if turner is not None:
                 turner.cancel()
 
-    async def _serve(self, http, state: Readiness | None = None, *, banner: str, ready_fn: Callable[[], bool] | None = None,
-                    waiting: Callable[[], str] | None = None, warmup: Callable[[], Awaitable[None]] | None = None,
-                    in_flight: Callable[[], int] | None = None, abort: Callable[[], int] | None = None,
-                    on_drain: Callable[[], None] | None = None, also_listening: tuple = ()) -> int:
+    async def _serve(self, http, state: Readiness | None = None, *, banner: str,
+                     ready_fn: Callable[[], bool] | None = None, waiting: Callable[[], str] | None = None,
+                     warmup: Callable[[], Awaitable[None]] | None = None, in_flight: Callable[[], int] | None = None,
+                     abort: Callable[[], int] | None = None, on_drain: Callable[[], None] | None = None,
+                     also_listening: tuple = ()) -> int:
         """Serve `http` (runtime.HTTPServer) until SIGTERM/SIGINT, then drain. Returns the exit status.
 
         ready_fn: the role's own readiness (decode: a prefill peer handshaked); waiting: why not yet,

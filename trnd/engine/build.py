@@ -156,8 +156,9 @@ def build(cfg: EngineConfig) -> Parts:
 
         workers = WorkerGroup(cfg.tp, cfg.model, cfg.dtype, cfg.backend, pools, cfg.threads)
         tp = workers.tp
+    # inductor packs its own weights: the static path and compiled decode load them plain
     model, mc = load_model(cfg.model, cfg.dtype, tp, cfg.backend,
-                           prepack=cfg.backend == "cpu" and not cfg.static and not cfg.compile_decode)  # inductor packs its own
+                           prepack=cfg.backend == "cpu" and not cfg.static and not cfg.compile_decode)
     pool = PagePool(num_pages)
     # The static path's padding writes its KV into this page: reserved for good, never handed out.
     scratch_page = pool.alloc(1)[0] if cfg.static else None

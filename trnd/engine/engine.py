@@ -53,8 +53,9 @@ class Engine:
 
     def __init__(self, parts: Parts):
         cfg = self.cfg = parts.cfg
-        self.model, self.model_config, self.tokenizer, self.tp = parts.model, parts.model_config, parts.tokenizer, parts.tp
-        self.pools, self.workers, self.pool, self.scratch_page = parts.pools, parts.workers, parts.pool, parts.scratch_page
+        self.model, self.model_config, self.tokenizer = parts.model, parts.model_config, parts.tokenizer
+        self.tp, self.pools, self.workers = parts.tp, parts.pools, parts.workers
+        self.pool, self.scratch_page = parts.pool, parts.scratch_page
         self.radix, self.scheduler, self.runner, self.tiers = parts.radix, parts.scheduler, parts.runner, parts.tiers
         self.max_model_len, self.namespace, self.layout = parts.max_model_len, parts.namespace, parts.layout
         self.agent, self.xfer_metrics, self.budget = parts.agent, parts.xfer_metrics, parts.budget

@@ -144,25 +144,8 @@ class Scheduler:
                 batch.decode.append(req)
         while self.waiting and budget > 0 and self.num_active < self.cfg.max_batch:
             req = self._next_waiting()
-            if self._kv_from_peer(req):
-                admitted = self._admit(req, req.num_prompt, whole=True)  # all prompt pages, reserved up front
-                if admitted is None:  # parked on a host-tier copy
-                    self._take(req)
-                    continue
-                if not admitted:
-                    break
-                self._take(req)
-                req.status = Status.RUNNING
-                job = self.peer(req)
-                if job is not None:
-                    self.parked[req.rid] = job
-                    continue
-                self.running.append(req)  # prefilled here, its pages already reserved
-                n = self._chunk(req, budget)
-                budget -= n
-                batch.prefill.append((req, n))
-                continue
-            admitted = self._admit(req, budget)
+            from_peer = self._kv_from_peer(req)  # then every prompt page is reserved up front
+            admitted = self._admit(req, req.num_prompt, whole=True) if from_peer else self._admit(req, budget)
             if admitted is None:  # parked on a lower tier
                 self._take(req)
                 continue
@@ -170,7 +153,11 @@ class Scheduler:
                 break
             self._take(req)
             req.status = Status.RUNNING
-            self.running.append(req)
+            job = self.peer(req) if from_peer else None
+            if job is not None:
+                self.parked[req.rid] = job
+                continue
+            self.running.append(req)  # prefilled here (a peer's request too, when the peer says so)
             n = self._chunk(req, budget)
             budget -= n
             batch.prefill.append((req, n))

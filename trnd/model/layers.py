@@ -181,10 +181,6 @@ class Linear(nn.Module):
         return _linear(x, self._weight(), self.packed, self.bias)
 
 
-def column_sources(name: str, start: int, end: int) -> list[Source]:
-    return [Source(name, 0, start, end)]
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, name: str, dtype: torch.dtype, ops):
         super().__init__()

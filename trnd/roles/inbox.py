@@ -125,7 +125,8 @@ class Inbox:
             self.stats["kv_pages_received"] += len(a.target)
             self.stats["kv_bytes_received"] += nbytes
             return Landing(first=SampleOut(m.token, m.logprob, m.top_logprobs), computed_tokens=m.computed_tokens,
-                           cached_from=peer_hits(m.cached_from, req.num_cached), received=req.num_prompt - req.num_cached)
+                           cached_from=peer_hits(m.cached_from, req.num_cached),
+                           received=req.num_prompt - req.num_cached)
         if bad:  # every write landed (nothing in flight): the pages are free to take again
             if req.handoffs <= self.retries:
                 self.stats["retried"] += 1

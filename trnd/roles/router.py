@@ -62,7 +62,8 @@ async def _main(life, cfg: RouterConfig, tokenizer, sock) -> int:
         probes = asyncio.create_task(targets.run(), name="trnd-router-probes")
         try:
             return await life.serve(
-                http, st, banner=f"trnd: router on http://{cfg.http.host}:{cfg.http.port}/v1 for {', '.join(cfg.targets)}",
+                http, st,
+                banner=f"trnd: router on http://{cfg.http.host}:{cfg.http.port}/v1 for {', '.join(cfg.targets)}",
                 ready_fn=st.ready_fn, waiting=lambda: st.not_ready_why(), in_flight=st.in_flight)
         finally:
             if st.events is not None:

@@ -37,7 +37,7 @@ from collections import deque
 import torch
 
 from trnd.backends.omp import single_threaded
-from trnd.store import protocol as S
+from trnd.store import protocol as store_wire
 from trnd.store.index import HAVE
 from trnd.store.links import Links, Store, StoreDown
 from trnd.transfer.inflight import InFlight
@@ -69,7 +69,7 @@ class StoreClient(Links):
         self.page_bytes = self.canonical.page_bytes(0)
         self.read_plan = make_plan(self.canonical, local)
         self.write_plan = make_plan(local, self.canonical)
-        self.manifest = S.StoreManifest(namespace=namespace, dtype=dtype, num_layers=local.num_layers,
+        self.manifest = store_wire.StoreManifest(namespace=namespace, dtype=dtype, num_layers=local.num_layers,
                                         num_kv_heads=num_heads, head_dim=local.head_dim, page_size=local.page_size,
                                         itemsize=local.itemsize, page_bytes=self.page_bytes,
                                         scale_bytes=local.scale_bytes)
@@ -168,7 +168,7 @@ class StoreClient(Links):
         asyncio.set_event_loop(self.loop)
         # checksum threads gather pages with torch: single-threaded, no OpenMP pools beside the engine's
         self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
-            S.CHECKSUM_THREADS, "trnd-store-checksum", initializer=single_threaded))
+            store_wire.CHECKSUM_THREADS, "trnd-store-checksum", initializer=single_threaded))
         for s in self.stores:
             self.loop.create_task(self._store_task(s))
         self.loop.call_soon(self._started.set)
@@ -221,7 +221,8 @@ class StoreClient(Links):
         async def one(si: int, pos: list[int]):
             s = self.stores[si]
             try:
-                found = await self._request(s, S.Lookup(next(self._ids), [hashes[i] for i in pos], lease), timeout)
+                found = await self._request(s, store_wire.Lookup(next(self._ids), [hashes[i] for i in pos], lease),
+                                            timeout)
             except (StoreDown, TimeoutError):
                 s.counters["misses"] += len(pos)
                 return None
@@ -304,7 +305,7 @@ class StoreClient(Links):
                     s.counters["corrupt"] += 1
                     log.warning("store %s: page %s failed its checksum after the read: dropped (miss)", s.addr,
                                 hashes[i].hex()[:16])
-                    self._send_soon(s, S.Corrupt([hashes[i]]))
+                    self._send_soon(s, store_wire.Corrupt([hashes[i]]))
                     good = min(good, i)
             for i in range(good):
                 s = self.stores[self.owner(hashes[i])]
@@ -315,7 +316,7 @@ class StoreClient(Links):
             return good
         finally:
             for s, lease in leases:
-                self._send_soon(s, S.Release(lease))
+                self._send_soon(s, store_wire.Release(lease))
 
     def _release_all(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is not None:
@@ -323,7 +324,7 @@ class StoreClient(Links):
         _, per = task.result()
         for si, (_, f) in per.items():
             if f is not None and f.lease:
-                self._send_soon(self.stores[si], S.Release(f.lease))
+                self._send_soon(self.stores[si], store_wire.Release(f.lease))
 
     async def _write(self, hashes: list[bytes], src: list[int]) -> int:
         if not hashes:
@@ -336,7 +337,8 @@ class StoreClient(Links):
     async def _write_one(self, s: Store, pos: list[int], hashes: list[bytes], src: list[int]) -> int:
         rid, have, committed, xfer = 0, 0, False, None
         try:
-            r = await self._request(s, S.Reserve(next(self._ids), [hashes[i] for i in pos]), self.write_deadline_s)
+            r = await self._request(s, store_wire.Reserve(next(self._ids), [hashes[i] for i in pos]),
+                                    self.write_deadline_s)
             rid = r.reservation
             have = sum(1 for x in r.slots if x == HAVE)
             s.counters["pages_present"] += have
@@ -357,7 +359,7 @@ class StoreClient(Links):
             if await xfer != "DONE":
                 s.counters["errors"] += 1
                 return have
-            c = await self._request(s, S.Commit(next(self._ids), rid, [hashes[i] for i, _ in todo], sums),
+            c = await self._request(s, store_wire.Commit(next(self._ids), rid, [hashes[i] for i, _ in todo], sums),
                                     self.write_deadline_s)
             committed = True
             n = sum(c.ok)
@@ -371,9 +373,9 @@ class StoreClient(Links):
         finally:
             if rid and not committed:
                 if xfer is not None and not xfer.done():  # bytes may still land: free the slots after
-                    xfer.add_done_callback(lambda _f: self._send_soon(s, S.Abandon(rid)))
+                    xfer.add_done_callback(lambda _f: self._send_soon(s, store_wire.Abandon(rid)))
                 else:
-                    self._send_soon(s, S.Abandon(rid))
+                    self._send_soon(s, store_wire.Abandon(rid))
 
     # -- transfers and bytes ------------------------------------------------------------------------
 
@@ -397,7 +399,7 @@ class StoreClient(Links):
                     x.key.set_result("DONE" if ok else "ERR")
 
     async def _sums(self, pages: list[int]) -> list[bytes]:
-        return await S.checksums(self._checksums, pages)
+        return await store_wire.checksums(self._checksums, pages)
 
     def _checksums(self, pages: list[int]) -> list[bytes]:
         """blake2b-128 of each local page's canonical bytes (gathered from every rank's pool)."""
@@ -409,4 +411,4 @@ class StoreClient(Links):
             rows = self._rows[g.src_rank]
             buf[:, g.dst_off:g.dst_off + g.length] = rows[idx.to(rows.device), g.src_off:g.src_off + g.length].cpu()
         data = buf.numpy()
-        return [S.checksum(data[i]) for i in range(len(pages))]
+        return [store_wire.checksum(data[i]) for i in range(len(pages))]

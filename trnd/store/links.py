@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from trnd.aio import reconnect, within
 from trnd.log import Failures
 from trnd.procs import dial
-from trnd.store import protocol as S
+from trnd.store import protocol as store_wire
 
 log = logging.getLogger("trnd.store.client")
 
@@ -28,8 +28,8 @@ class StoreDown(ConnectionError):
 class Store:
     addr: str
     key: bytes  # rendezvous seed
-    chan: S.StoreChannel | None = None
-    welcome: S.StoreWelcome | None = None
+    chan: store_wire.StoreChannel | None = None
+    welcome: store_wire.StoreWelcome | None = None
     peer: str | None = None  # the store's NIXL agent name
     healthy: bool = False
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
@@ -60,14 +60,14 @@ class Links:
     async def _connect(self, s: Store) -> None:
         host, port = s.addr.rsplit(":", 1)
         reader, writer = await dial(host, int(port), 2.0)
-        chan = S.StoreChannel(reader, writer, self.secret, name=f"store@{s.addr}")
+        chan = store_wire.StoreChannel(reader, writer, self.secret, name=f"store@{s.addr}")
         s.chan = chan
-        await chan.answer(lambda n: S.StoreHello(self.manifest, self.agent.name, n), 5.0)
+        await chan.answer(lambda n: store_wire.StoreHello(self.manifest, self.agent.name, n), 5.0)
         reply = await within(chan.recv(strict=True), 5.0)
-        if isinstance(reply, S.Refused):
+        if isinstance(reply, store_wire.Refused):
             s.refused = reply.reason
             raise ConnectionError(f"refused this client: {reply.reason}")
-        if not isinstance(reply, S.StoreWelcome):
+        if not isinstance(reply, store_wire.StoreWelcome):
             raise ConnectionError(f"unexpected {type(reply).__name__} in the handshake")
         if reply.slot_bytes != self.page_bytes:
             s.refused = f"page_bytes: store slots hold {reply.slot_bytes} bytes, this client's page {self.page_bytes}"
@@ -95,7 +95,7 @@ class Links:
                     msg = await within(s.chan.recv(), self.peer_timeout_s)
                 except TimeoutError:
                     raise ConnectionError(f"no frame for {self.peer_timeout_s} s (heartbeat)") from None
-                if isinstance(msg, S.Pong):
+                if isinstance(msg, store_wire.Pong):
                     continue
                 fut = s.pending.pop(getattr(msg, "id", -1), None)
                 if fut is not None and not fut.done():
@@ -105,7 +105,7 @@ class Links:
 
     async def _pinger(self, s: Store) -> None:
         while True:
-            await s.chan.send(S.Ping(time.time()))
+            await s.chan.send(store_wire.Ping(time.time()))
             await asyncio.sleep(self.heartbeat_s)
 
     def _lost(self, s: Store) -> None:
@@ -141,7 +141,7 @@ class Links:
         finally:
             s.pending.pop(msg.id, None)
         s.slow_backoff = 0.0
-        if isinstance(reply, S.Failed):
+        if isinstance(reply, store_wire.Failed):
             s.counters["errors"] += 1
             raise StoreDown(f"store {s.addr}: {reply.reason}")
         return reply

@@ -32,9 +32,9 @@ import uuid
 from dataclasses import dataclass, field
 
 
-from trnd import snapshot as SN
+from trnd import snapshot as S
 from trnd.config import StoreConfig
-from trnd.store import protocol as S
+from trnd.store import protocol as store_wire
 from trnd.transfer.metrics import TransferMetrics
 from trnd.store.index import COMMITTED, StoreIndex
 
@@ -49,8 +49,8 @@ class Client:
     id: int
     name: str
     addr: str
-    chan: S.StoreChannel
-    manifest: S.StoreManifest
+    chan: store_wire.StoreChannel
+    manifest: store_wire.StoreManifest
     ns: str
     connected_at: float = field(default_factory=time.time)
     alive: bool = True
@@ -107,11 +107,11 @@ class StoreServer:
                     log.info("expired %d leases and %d reservations", leases, res)
                     self._end_gone(ok=False)
 
-    def admit(self, m: S.StoreManifest) -> str | None:
+    def admit(self, m: store_wire.StoreManifest) -> str | None:
         """Why a client with manifest m cannot use this store (None: it can). The first one that can
         fixes the slot size."""
-        if m.protocol_version != S.STORE_PROTOCOL_VERSION:
-            return f"protocol_version: store speaks {S.STORE_PROTOCOL_VERSION}, client {m.protocol_version}"
+        if m.protocol_version != store_wire.STORE_PROTOCOL_VERSION:
+            return f"protocol_version: store speaks {store_wire.STORE_PROTOCOL_VERSION}, client {m.protocol_version}"
         why = m.geometry_error()
         if why:
             return why
@@ -135,15 +135,15 @@ class StoreServer:
 
     async def _on_conn(self, reader, writer) -> None:
         addr = writer.get_extra_info("peername")
-        chan = S.StoreChannel(reader, writer, self.secret, name=f"client@{addr}")
+        chan = store_wire.StoreChannel(reader, writer, self.secret, name=f"client@{addr}")
         try:
             hello, challenge = await chan.challenge(10)
-        except (S.ChannelClosed, TimeoutError, ConnectionError, OSError) as e:
+        except (store_wire.ChannelClosed, TimeoutError, ConnectionError, OSError) as e:
             self.counters["unauthenticated"] += 1
             log.warning("connection from %s dropped before a valid hello: %s", addr, e)
             chan.close()
             return
-        if not isinstance(hello, S.StoreHello):
+        if not isinstance(hello, store_wire.StoreHello):
             self.counters["unauthenticated"] += 1
             log.warning("%s: first message was %s, not StoreHello; closing", chan.name, type(hello).__name__)
             chan.close()
@@ -154,14 +154,15 @@ class StoreServer:
             self.counters["refused"] += 1
             log.error("refused client %s (%s): %s", hello.client, addr, why)
             try:
-                await chan.send(S.Refused(why))
+                await chan.send(store_wire.Refused(why))
             except (ConnectionError, OSError):
                 pass
             chan.close()
             return
         try:
-            await chan.send(S.StoreWelcome(self.store_id, self.agent.name, self.agent.metadata(), self.agent.bases[0],
-                                           self.slot_bytes, self.index.num_slots, self.cfg.lease_s, challenge))
+            await chan.send(store_wire.StoreWelcome(self.store_id, self.agent.name, self.agent.metadata(),
+                                                    self.agent.bases[0], self.slot_bytes, self.index.num_slots,
+                                                    self.cfg.lease_s, challenge))
         except (ConnectionError, OSError):
             chan.close()
             return
@@ -175,7 +176,7 @@ class StoreServer:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 await self._handle(c, msg)
-        except S.ChannelClosed as e:
+        except store_wire.ChannelClosed as e:
             log.info("client %s gone: %s", c.name, e)
         finally:
             c.alive = False
@@ -188,7 +189,7 @@ class StoreServer:
 
     async def _handle(self, c: Client, msg) -> None:
         idx, now = self.index, time.monotonic()
-        if isinstance(msg, S.Lookup):
+        if isinstance(msg, store_wire.Lookup):
             entries, lease = idx.lookup(c.ns, msg.hashes, now, msg.lease and c.alive, owner=c.id)
             c.counters["lookups"] += 1
             c.counters["hits"] += len(entries)
@@ -197,39 +198,39 @@ class StoreServer:
                 c.counters["bytes_out"] += len(entries) * self.slot_bytes
                 self.counters["bytes_out"] += len(entries) * self.slot_bytes
                 self.xfer_metrics.start("serve_read", c.name, key=(lease, len(entries) * self.slot_bytes))
-            await c.chan.send(S.Found(msg.id, [e.slot for e in entries], [e.checksum for e in entries], lease))
-        elif isinstance(msg, S.Reserve):
+            await c.chan.send(store_wire.Found(msg.id, [e.slot for e in entries], [e.checksum for e in entries], lease))
+        elif isinstance(msg, store_wire.Reserve):
             rid, slots = idx.reserve(c.ns, msg.hashes, now, owner=c.id)
             c.counters["reserved"] += sum(1 for s in slots if s >= 0)
             if rid:
                 self.xfer_metrics.start("accept_write", c.name, key=rid)
-            await c.chan.send(S.Reserved(msg.id, rid, slots))
-        elif isinstance(msg, S.Commit):
+            await c.chan.send(store_wire.Reserved(msg.id, rid, slots))
+        elif isinstance(msg, store_wire.Commit):
             task = asyncio.create_task(self._commit(c, msg))  # hashing runs off the loop; requests go on
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        elif isinstance(msg, S.Release):
+        elif isinstance(msg, store_wire.Release):
             lease = idx.leases.get(msg.lease)
             if lease is not None and lease.owner == c.id:
                 idx.release(msg.lease)
                 self._end_read(msg.lease, ok=True)
-        elif isinstance(msg, S.Abandon):
+        elif isinstance(msg, store_wire.Abandon):
             r = idx.reservations.get(msg.reservation)
             if r is not None and r.owner == c.id:
                 idx.abandon(msg.reservation)
                 self.xfer_metrics.end("accept_write", ok=False, key=msg.reservation)
-        elif isinstance(msg, S.Corrupt):
+        elif isinstance(msg, store_wire.Corrupt):
             await self._corrupt(c, msg.hashes)
-        elif isinstance(msg, S.Ping):
-            await c.chan.send(S.Pong(msg.t))
+        elif isinstance(msg, store_wire.Ping):
+            await c.chan.send(store_wire.Pong(msg.t))
         else:
             c.chan.reject(f"unexpected {type(msg).__name__}")
 
-    async def _commit(self, c: Client, m: S.Commit) -> None:
+    async def _commit(self, c: Client, m: store_wire.Commit) -> None:
         idx = self.index
         r = idx.reservations.get(m.reservation)
         if len(m.hashes) != len(m.checksums) or r is None or r.owner != c.id:
-            await self._send(c, S.Committed(m.id, [False] * len(m.hashes)))
+            await self._send(c, store_wire.Committed(m.id, [False] * len(m.hashes)))
             return
         slots = [idx.reserved_slot(m.reservation, c.ns, h) for h in m.hashes]
         todo = [(i, s) for i, s in enumerate(slots) if s is not None]
@@ -250,7 +251,7 @@ class StoreServer:
         self.counters["bytes_in"] += n * self.slot_bytes
         if bad:
             log.warning("client %s: %d written pages did not match their checksums: dropped", c.name, bad)
-        await self._send(c, S.Committed(m.id, ok))
+        await self._send(c, store_wire.Committed(m.id, ok))
 
     def _end_read(self, lease: int, ok: bool) -> None:
         for key in self.xfer_metrics.open_keys("serve_read"):
@@ -285,11 +286,11 @@ class StoreServer:
             log.debug("send to %s: %s", c.name, e)
 
     async def _sums(self, slots: list[int]) -> list[bytes]:
-        return await S.checksums(self._checksums, slots)
+        return await store_wire.checksums(self._checksums, slots)
 
     def _checksums(self, slots: list[int]) -> list[bytes]:
         sb = self.slot_bytes
-        return [S.checksum(self.mem[s * sb:(s + 1) * sb]) for s in slots]
+        return [store_wire.checksum(self.mem[s * sb:(s + 1) * sb]) for s in slots]
 
     # -- debug hooks (TRND_STORE_DEBUG=1) -----------------------------------------------------------
 
@@ -304,18 +305,18 @@ class StoreServer:
 
     # -- inspection ---------------------------------------------------------------------------------
 
-    def state(self) -> SN.State:
+    def state(self) -> S.State:
         """The store's /admin/state (trnd/snapshot.py)."""
         idx = self.index
         stats = dataclasses.asdict(idx.stats) if idx is not None else {}
-        return SN.State(
+        return S.State(
             role="store", store_id=self.store_id, uptime_s=round(time.time() - self.started, 1),
             memory_bytes=self.memory_bytes, slot_bytes=self.slot_bytes or None,
-            slots=SN.Slots(**idx.counts()) if idx is not None else SN.Slots(),
+            slots=S.Slots(**idx.counts()) if idx is not None else S.Slots(),
             leases=len(idx.leases) if idx is not None else 0,
             reservations=len(idx.reservations) if idx is not None else 0,
             namespaces=idx.namespaces() if idx is not None else {}, shape_from=self.shape_from,
-            clients=[SN.StoreClientView(id=c.id, name=c.name, addr=c.addr, namespace=c.ns,
+            clients=[S.StoreClientView(id=c.id, name=c.name, addr=c.addr, namespace=c.ns,
                                         connected_s=round(time.time() - c.connected_at, 1), **c.counters)
                      for c in self.clients.values()],
             counters={**stats, **self.counters,
