@@ -19,7 +19,7 @@ def _import_hugging_face_kernels() -> None:
     """The checkout's kernels/ folder imports as trnd_kernels (setup.py), but pytest puts the checkout on
     sys.path, where the folder would also answer `import kernels`: Hugging Face's package of that name, which
     transformers imports, would find ours. Import theirs first, with the checkout off the path, so the name
-    is theirs for the whole session (installed trnd has no such name at all: tests/test_wheel.py)."""
+    is theirs for the whole session (installed trnd has no such name at all: tests/system/test_wheel.py)."""
     root = Path(__file__).resolve().parents[1]
     saved = sys.path[:]
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]

@@ -1,5 +1,5 @@
 """The wheel docs/DEPLOY.md installs, built from this checkout the way an operator builds it (`pip wheel .`),
-for the tests that install it (tests/test_wheel.py, tests/test_systemd_boot.py)."""
+for the tests that install it (tests/system/test_wheel.py, tests/system/test_systemd_boot.py)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ SDK_MODULES = ("torch_neuronx", "neuronxcc", "nki")
 def test_cpu_backend():
     b = get_backend("cpu")
     assert (b.name, b.device, b.available()) == ("cpu", "cpu", (True, ""))
-    # the compiled kernels where they are built for this CPU (tests/test_cpu_kernels.py), else the torch twins
+    # the compiled kernels where they are built for this CPU (tests/kernels/test_cpu_kernels.py), else the torch twins
     from trnd_kernels.cpu import cpu_ops
 
     assert b.ops is cpu_ops()

@@ -1,6 +1,6 @@
 """On an NVIDIA GPU host: the backend's ops against the torch twins on the CPU, and a short greedy generation
 on the GPU against the CPU. Skips (saying why) without a CUDA build of torch and a visible GPU.
-Run: pytest -m cuda tests/test_cuda.py
+Run: pytest -m cuda tests/kernels/test_cuda.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """On a Trainium host: the NKI kernels against their torch twins on the device, and a short greedy generation
 on the device against the CPU. Skips (saying why) wherever the real Neuron SDK or a Neuron device is absent,
-which includes every machine with only PyPI's placeholder packages. Run: pytest -m neuron tests/test_neuron.py
+which includes every machine with only PyPI's placeholder packages. Run: pytest -m neuron tests/kernels/test_neuron.py
 """
 
 from __future__ import annotations

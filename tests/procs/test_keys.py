@@ -1,6 +1,6 @@
 """Keys fail closed (issue 47): a key file emptied or removed, then SIGHUP, is a refused reload on every port of
 a `trnd serve --decode 2` deployment (router, decode servers, prefill admin): one line each, the running key
-kept, no traceback. (At start, a missing or empty key file is exit 78: tests/test_startup_errors.py.)"""
+kept, no traceback. (At start, a missing or empty key file is exit 78: tests/procs/test_startup_errors.py.)"""
 
 from __future__ import annotations
 

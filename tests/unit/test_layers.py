@@ -84,7 +84,7 @@ def room(mod: str) -> str:
     for n in range(len(parts), 0, -1):
         if ".".join(parts[:n]) in FLOOR and (n > 1 or parts[0] != "trnd" or len(parts) == 1):
             return ".".join(parts[:n])  # "trnd" alone is the package's __init__, not a room for the rest
-    raise AssertionError(f"{mod}: in no room of FLOORS (add it to tests/test_layers.py and docs/ARCHITECTURE.md)")
+    raise AssertionError(f"{mod}: in no room of FLOORS (add it to tests/unit/test_layers.py and docs/ARCHITECTURE.md)")
 
 
 def breaks(src: str, dst: str) -> str | None:

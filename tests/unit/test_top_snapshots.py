@@ -3,7 +3,7 @@ with a host L2 tier, a real decode/prefill pair, a serve with L2 + an L3 store a
 80x24 and 160x50. No workers run and the
 clock is injected, so the screens are the same on every run.
 
-Update after an intended change: pytest tests/test_top_snapshots.py --snapshot-update
+Update after an intended change: pytest tests/unit/test_top_snapshots.py --snapshot-update
 """
 
 from __future__ import annotations

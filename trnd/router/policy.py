@@ -1,5 +1,5 @@
 """Which target serves a request: fit, then session, then prefix, then load. Plain functions of the
-targets' state; no I/O, unit tested (tests/test_router_policy.py).
+targets' state; no I/O, unit tested (tests/unit/test_router_policy.py).
 
 1. Fit: only targets whose context (their decode point) holds prompt + max_tokens, and of those the
    smallest context that fits (a 1m point is not spent on a short chat).

@@ -7,7 +7,7 @@ chunk notifications and the KVDone seen, whether it is fenced (aborted here, but
 land: wait for the peer's word), and the quarantine of pages a lost peer may still write into.
 
 No sockets, no engine, no clock of their own: prefill (roles/prefill.py) and decode's Inbox
-(roles/inbox.py) feed them what arrives and act on what they answer; tests/test_handoff.py drives them alone.
+(roles/inbox.py) feed them what arrives and act on what they answer; tests/unit/test_handoff.py drives them alone.
 """
 
 from __future__ import annotations
