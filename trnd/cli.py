@@ -272,46 +272,26 @@ def _bench_parser(sub) -> None:
     g.add_argument("--reps", type=int, default=3)
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--threads", type=int, default=None)
-    from trnd.bench import serve_compare
+    # the benchmarks that declare their own flags (add_arguments in their module)
+    for name, help_ in (
+            ("serve-compare", "trnd vs vLLM's CPU build, both loaded by `vllm bench serve`"),
+            ("router", "session affinity vs random routing through trnd serve --prefill 1 --decode 2"),
+            ("kv-accuracy", "fp8 KV pages vs model-dtype KV (transformers the oracle): logit differences and greedy "
+                            "agreement"),
+            ("longctx", "the long-context curve on the 1m point: prefill tok/s by context and the decode step there "
+                        "(tiny model, RoPE scaled to the point)"),
+            ("preempt", "a preempted request's resume from L2 against recompute, at one context"),
+            ("million", "one request at 1,048,576 tokens of context through the 1m point: prefill, handoff, decode, "
+                        "reload from L2, each phase's time and memory"),
+            ("agentic", "agent sessions at growing context (AgentX's shape) replayed against any OpenAI server, or "
+                        "trnd and vLLM side by side"),
+            ("l3", "the L3 tier on trnd store vs Mooncake Store: GB/s and L3-hit TTFT"),
+            ("spec", "speculative decoding (draft = target, n-gram, an unrelated draft) vs none: TPOT, tok/s, "
+                     "acceptance at c=1 and c=4")):
+        import importlib
 
-    sc = bsub.add_parser("serve-compare", help="trnd vs vLLM's CPU build, both loaded by `vllm bench serve`")
-    serve_compare.add_arguments(sc)
-    from trnd.bench import router as bench_router
-
-    r = bsub.add_parser("router", help="session affinity vs random routing through trnd serve --prefill 1 --decode 2")
-    bench_router.add_arguments(r)
-    from trnd.bench import kv_accuracy
-
-    kva = bsub.add_parser("kv-accuracy", help="fp8 KV pages vs model-dtype KV (transformers the oracle): logit "
-                                              "differences and greedy agreement")
-    kv_accuracy.add_arguments(kva)
-    from trnd.bench import longctx
-
-    lc = bsub.add_parser("longctx", help="the long-context curve on the 1m point: prefill tok/s by context and the "
-                                         "decode step there (tiny model, RoPE scaled to the point)")
-    longctx.add_arguments(lc)
-    from trnd.bench import preempt
-
-    pr = bsub.add_parser("preempt", help="a preempted request's resume from L2 against recompute, at one context")
-    preempt.add_arguments(pr)
-    from trnd.bench import million
-
-    mi = bsub.add_parser("million", help="one request at 1,048,576 tokens of context through the 1m point: prefill, "
-                                         "handoff, decode, reload from L2, each phase's time and memory")
-    million.add_arguments(mi)
-    from trnd.bench import agentic
-
-    ag = bsub.add_parser("agentic", help="agent sessions at growing context (AgentX's shape) replayed against any "
-                                         "OpenAI server, or trnd and vLLM side by side")
-    agentic.add_arguments(ag)
-    from trnd.bench import l3
-
-    l3.add_arguments(bsub.add_parser("l3", help="the L3 tier on trnd store vs Mooncake Store: GB/s and L3-hit TTFT"))
-    from trnd.bench import spec as bench_spec
-
-    sp = bsub.add_parser("spec", help="speculative decoding (draft = target, n-gram, an unrelated draft) vs none: "
-                                      "TPOT, tok/s, acceptance at c=1 and c=4")
-    bench_spec.add_arguments(sp)
+        module = importlib.import_module(f"trnd.bench.{name.replace('-', '_')}")
+        module.add_arguments(bsub.add_parser(name, help=help_))
     t = bsub.add_parser("tiers", help="multi-turn agentic replay: tiers off vs host L2 vs L2 + remote L3")
     t.add_argument("--model", default="small", help="model dir or preset (default small)")
     t.add_argument("--point", default="8k")

@@ -1,5 +1,5 @@
 """glibc's malloc backs trnd's large blocks (weights, KV pool) with transparent huge pages: the commands that
-load a model re-exec once with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (trnd/__init__.py, trnd/cli.py); an
+load a model re-exec once with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (trnd/tuning.py, trnd/cli.py); an
 operator's own tunable or TRND_MALLOC_TUNE=0 is left alone."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-import trnd
+from trnd import tuning
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 GLIBC = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else ""
@@ -31,14 +31,14 @@ def _env(**kv):
 def test_the_environment_asks_for_huge_pages(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv("TRND_MALLOC_TUNE", raising=False)
-    assert trnd.huge_pages_environ()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert tuning.huge_pages_environ()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # an operator's other tunables stay
-    assert trnd.huge_pages_environ()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert tuning.huge_pages_environ()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")  # an operator's own choice wins
-    assert trnd.huge_pages_environ() is None
+    assert tuning.huge_pages_environ() is None
     monkeypatch.delenv("GLIBC_TUNABLES")
     monkeypatch.setenv("TRND_MALLOC_TUNE", "0")
-    assert trnd.huge_pages_environ() is None
+    assert tuning.huge_pages_environ() is None
 
 
 def _started(args, env) -> subprocess.CompletedProcess:
@@ -69,8 +69,8 @@ def test_programs_that_are_not_trnd_get_the_operators_environment(monkeypatch):
     """`trnd bench` starts vLLM and its load generator as their operator would: without trnd's tunable."""
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     monkeypatch.delenv("TRND_MALLOC_TUNE", raising=False)
-    for k, v in trnd.huge_pages_environ().items():  # this process as the re-exec would have started it
+    for k, v in tuning.huge_pages_environ().items():  # this process as the re-exec would have started it
         monkeypatch.setenv(k, v)
-    assert trnd.environ_as_started()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    assert tuning.environ_as_started()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
     monkeypatch.setenv("TRND_GLIBC_TUNABLES_WAS", "")  # the operator had none
-    assert "GLIBC_TUNABLES" not in trnd.environ_as_started()
+    assert "GLIBC_TUNABLES" not in tuning.environ_as_started()

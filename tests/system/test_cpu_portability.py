@@ -1,7 +1,7 @@
 """Both CPU classes on any host: every fast path is chosen from what the CPU supports, with a fallback.
 
 `TRND_CPU_ISA=avx2` makes a process behave as an AVX2 + FMA CPU (no AVX-512, no native bf16), torch's
-oneDNN and ATen kernels included (trnd/__init__.py), so the fallbacks an AMD Zen 3 host takes are run
+oneDNN and ATen kernels included (trnd/tuning.py), so the fallbacks an AMD Zen 3 host takes are run
 here too, in real subprocesses; the fast path is tested where this host has it.
 """
 

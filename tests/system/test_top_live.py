@@ -76,7 +76,7 @@ def served(tiny_qwen3, monkeypatch):
     # every engine step sleeps 5 ms (the lifecycle's test hook), so 8000 tokens take 40 s or more however fast
     # the kernels get: the requests are still running when the test aborts one and counts the others
     monkeypatch.setenv("TRND_DEBUG_STALL_S", "0.005")
-    proc, port = start_serve(tiny_qwen3, "--api-key", KEY, "--kv-memory-gb", "0.02", "--max-batch", "8",
+    proc, port = start_serve(tiny_qwen3, "--api-key", KEY, "--kv-memory-gb", "0.02",
                              "--threads", "1")
     traffic = Traffic(port)
     try:

@@ -109,9 +109,12 @@ def test_engine_config_from_a_role_takes_its_parts():
 
 @pytest.mark.parametrize("name,cls", [("serve", LocalConfig), ("prefill", PrefillConfig), ("decode", DecodeConfig),
                                       ("router", RouterConfig), ("store", StoreConfig)])
-def test_example_role_configs_are_valid(name, cls):
+def test_example_role_configs_are_valid(name, cls, tmp_path, monkeypatch):
+    """As systemd starts them: the credentials they name (LoadCredential=) are there; keys fail closed."""
     from pathlib import Path
 
+    (tmp_path / "trnd_control_secret").write_text("s" * 32)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
     cfg = load_config(cls, Path(__file__).resolve().parents[2] / "configs" / f"{name}.toml")
     if name not in ("serve", "router"):
         assert cfg.secret_file == "${CREDENTIALS_DIRECTORY}/trnd_control_secret"  # what LoadCredential= names it

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from trnd.bench.million import million_model
-from trnd.engine.engine import Engine, EngineConfig
+from trnd.engine.build import EngineConfig, build
+from trnd.engine.engine import Engine
 from trnd.engine.request import SamplingParams
 from trnd.points import get_point
 
@@ -18,10 +19,10 @@ from trnd.points import get_point
 def test_a_million_token_request_leaks_no_page():
     point = get_point("1m")
     n = point.max_context
-    e = Engine(EngineConfig(model=str(million_model(n)), dtype="float32", page_size=point.page_size,
-                            num_pages=point.pool_pages_needed() + 8, max_model_len=n, max_batch=point.max_batch,
-                            token_budget=point.prefill_chunk, chunk_size=point.prefill_chunk,
-                            host_cache_gb=0.3))
+    e = Engine(build(EngineConfig(model=str(million_model(n)), dtype="float32", page_size=point.page_size,
+                                  num_pages=point.pool_pages_needed() + 8, max_model_len=n, max_batch=point.max_batch,
+                                  token_budget=point.prefill_chunk, chunk_size=point.prefill_chunk,
+                                  host_cache_gb=0.3)))
     try:
         rng = random.Random(0)
         prompt = [rng.randrange(10, 1000) for _ in range(n - 2)]

@@ -26,13 +26,14 @@ def add_arguments(p) -> None:
 
 
 def _engine(model: str, args, host_gb: float):
-    from trnd.engine.engine import Engine, EngineConfig
+    from trnd.engine.build import EngineConfig, build
+    from trnd.engine.engine import Engine
 
     page = 16
     pages = -(-(args.context + 64) // page) + 8
-    return Engine(EngineConfig(model=model, dtype=args.dtype, page_size=page, num_pages=pages,
-                               max_model_len=pages * page, token_budget=2048, chunk_size=2048,
-                               threads=args.threads, host_cache_gb=host_gb, role="bench"))
+    return Engine(build(EngineConfig(model=model, dtype=args.dtype, page_size=page, num_pages=pages,
+                                     max_model_len=pages * page, token_budget=2048, chunk_size=2048,
+                                     threads=args.threads, host_cache_gb=host_gb, role="bench")))
 
 
 def one_round(engine, prompt: list[int], want: list[int], tag: str) -> dict:
