@@ -4,7 +4,7 @@
 // with their working set just evicted from L2 by the linear before it (the weights stream through). At batch 4
 // on 2 cores (AMD Zen 4) that was ~2 ms of an ~8.6 ms step outside any kernel. Here the same kernels run in the
 // same order on the same tensors, called through the dispatcher from C++: logits bit-identical to the eager
-// loop (tests/kernels/test_decode_layers.py), only the calls between them are cheaper. Prefill and mixed steps stay on
+// loop (tests/test_decode_layers.py), only the calls between them are cheaper. Prefill and mixed steps stay on
 // the eager loop: their kernels are long, the calls between them a small part.
 //
 // weights: per layer, 8 tensors in order: input norm, qkv (packed), q norm, k norm (empty: no q/k norm), o
