@@ -18,7 +18,7 @@ from trnd.model.config import ModelError
 from trnd.model.loader import load_model
 from trnd.model.maker import make_model
 
-from .test_engine_vs_hf import hf_greedy, prompts_of
+from tests.unit.test_engine_vs_hf import hf_greedy, prompts_of
 
 transformers = pytest.importorskip("transformers")
 
