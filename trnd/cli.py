@@ -68,6 +68,10 @@ def _engine_flags(p) -> None:
                         "provider elsewhere; both roles must name the same)")
     p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
     p.add_argument("--store", action="append", metavar="HOST:PORT", help="L3: a remote KV store (repeatable)")
+    p.add_argument("--remote-config", dest="remote", type=_json_object, metavar="JSON",
+                   help="the L3 backend, as [remote] in TOML: '{\"backend\": \"mooncake\", \"master\": "
+                        "\"127.0.0.1:50051\", \"metadata_server\": \"http://127.0.0.1:8080/metadata\"}' "
+                        "(default: the `trnd store`s given with --store)")
 
 
 def _api_flags(p) -> None:
@@ -102,7 +106,6 @@ def _serve_parser(sub) -> None:
     _api_flags(p)
     _engine_flags(p)
     _kv_events_flag(p)
-    _remote_flag(p)
     p.add_argument("--aggregated", action="store_const", const=True,
                    help="one process (API + engine); default: a local prefill + decode deployment")
     p.add_argument("--max-model-len", type=int, help="max context per request (default: the model's, capped "
@@ -152,17 +155,9 @@ def _kv_events_flag(p) -> None:
                         "(endpoints default to this role's host, ephemeral ports: /admin/state kv_events)")
 
 
-def _remote_flag(p) -> None:
-    p.add_argument("--remote-config", dest="remote", type=_json_object, metavar="JSON",
-                   help="the L3 backend, as [remote] in TOML: '{\"backend\": \"mooncake\", \"master\": "
-                        "\"127.0.0.1:50051\", \"metadata_server\": \"http://127.0.0.1:8080/metadata\"}' "
-                        "(default: the `trnd store`s given with --store)")
-
-
 def _role_flags(p) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML role config (see configs/)")
     _kv_events_flag(p)
-    _remote_flag(p)
     p.add_argument("--model", metavar="DIR", help="Hugging Face model directory or preset name (tiny, small)")
     p.add_argument("--point", help="named decode point (configs/points.toml): both roles must use the same one")
     _engine_flags(p)
@@ -206,6 +201,9 @@ def _router_parser(sub) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
     p.add_argument("--policy", choices=_choices("policy"),
                    help="affinity (default): session, prefix, load; random: the session-unaware baseline for benchmarks")
+    p.add_argument("--kv-events", action="store_const", const=True,
+                   help="route prefixes on the targets' KV events (their real caches; needs --model and targets "
+                        "started with --kv-events-config) instead of the texts this router sent")
     p.add_argument("--log-level", choices=_choices("log_level"))
 
 

@@ -218,7 +218,7 @@ def test_a_taken_endpoint_is_one_line_exit_78(tiny_qwen3):
 
 
 def test_a_restarted_publisher_on_a_fixed_endpoint_is_followed_from_its_first_batch():
-    from .procs import free_port
+    from tests.launch import free_port
 
     ep, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     pub = Publisher(ep, rep)

@@ -107,6 +107,35 @@ def test_engine_config_from_a_role_takes_its_parts():
     assert msgspec.structs.asdict(agg.tiers)["store"] is not ec.store  # copied, not shared
 
 
+def test_the_l3_backend_is_a_tier_and_reaches_the_engine():
+    from trnd.points import get_point
+
+    cfg = load_config(DecodeConfig, None, {"remote": {"backend": "mooncake", "master": "10.0.0.1:50051"}})
+    assert cfg.tiers.remote.backend == "mooncake" and flat(cfg)["remote"] is cfg.tiers.remote
+    ec = EngineConfig.from_role("/m", cfg.engine, cfg.tiers, role="decode", point=get_point("8k"))
+    assert ec.remote.master == "10.0.0.1:50051"
+    with pytest.raises(ConfigError, match=r"Invalid enum value 'redis'.* - at `\$.remote.backend`"):
+        load_config(PrefillConfig, None, {"remote": {"backend": "redis"}})
+
+
+def test_a_local_deployment_hands_its_children_the_l3_backend_and_kv_events(tmp_path):
+    """trnd serve's children read the same [remote] table; each publishes its own KV events (ephemeral
+    endpoints), and with several decode servers the local router routes on them."""
+    from trnd.roles.local import role_configs
+
+    cfg = load_serve_config(None, {"remote": {"backend": "mooncake", "segment_gb": 0.5}, "num_decode": 2,
+                                   "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:5557"},
+                                   "prefill_control_port": 9100, "prefill_admin_port": 9200, "decode_port": 9300})
+    children = {c.name: c for c in role_configs(cfg, "/m", tmp_path)}
+    prefill = load_config(PrefillConfig, children["prefill0"].config)
+    decode = load_config(DecodeConfig, children["decode1"].config)
+    router = load_config(RouterConfig, children["router"].config)
+    for role in (prefill, decode):
+        assert role.tiers.remote == cfg.tiers.remote
+        assert role.kv_events.on and role.kv_events.endpoint is None
+    assert router.kv_events
+
+
 @pytest.mark.parametrize("name,cls", [("serve", LocalConfig), ("prefill", PrefillConfig), ("decode", DecodeConfig),
                                       ("router", RouterConfig), ("store", StoreConfig)])
 def test_example_role_configs_are_valid(name, cls, tmp_path, monkeypatch):

@@ -105,7 +105,7 @@ async def chat_completions(request: Request) -> Response:
     req: P.ChatCompletionRequest = await _decode(request, st, P.ChatCompletionRequest)
     params, n = to_sampling_params(req, st.cfg.api.max_n, st.cfg.api.max_stop, st.cfg.api.max_stop_chars,
                                    st.cfg.api.max_logit_bias, st.cfg.api.max_stop_token_ids)
-    params.cache_salt = salt_of(req, request, st)
+    params.cache_salt, params.prefill_hint = salt_of(req, request, st), prefill_hint(request)
     messages = chat_messages(req)
     plan = plan_chat(req, st.cfg.api.tool_call_parser, st.cfg.api.reasoning_parser)
     try:
@@ -145,7 +145,7 @@ async def completions(request: Request) -> Response:
     req: P.CompletionRequest = await _decode(request, st, P.CompletionRequest)
     params, n = to_sampling_params(req, st.cfg.api.max_n, st.cfg.api.max_stop, st.cfg.api.max_stop_chars,
                                    st.cfg.api.max_logit_bias, st.cfg.api.max_stop_token_ids)
-    params.cache_salt = salt_of(req, request, st)
+    params.cache_salt, params.prefill_hint = salt_of(req, request, st), prefill_hint(request)
     prompt = check_completion_prompt(req.prompt)
     limits = GrammarLimits.of(st.cfg)
     params.grammar = await compile_grammar(st.loop.engine, find_grammar(req, limits=limits), limits)

@@ -7,7 +7,7 @@
    L3 when it finishes), drops its device cache (/admin/evict), and answers it again: TTFT of that second
    answer (the history loaded from L3) beside TTFT of computing it cold.
 Mooncake runs as its master plus one store node (`mooncake_client`) lending the memory, as in
-tests/test_mooncake.py; the servers lend none.
+tests/procs/test_mooncake.py; the servers lend none.
 """
 
 from __future__ import annotations

@@ -24,14 +24,14 @@ import msgspec
 from msgspec import Meta
 
 from trnd.config.parts import (KEY_FIELDS, AdminPort, APIConfig, ConfigError, Deployment, EngineKnobs, HTTPConfig,
-                               KVEventsConfig, LogLevel, Part, PageSize, Port, Positive, Seconds, Shapes, StartupError,
-                               TierConfig, TransferBackend, check_files, check_point, engine_conflict, flat, invalid,
-                               keys, nest, parts_of, read_key, read_key_file, replace)
+                               KVEventsConfig, LogLevel, Part, PageSize, Port, Positive, RemoteConfig, Seconds, Shapes,
+                               StartupError, TierConfig, TransferBackend, check_files, check_point, engine_conflict,
+                               flat, invalid, keys, nest, parts_of, read_key, read_key_file, replace)
 
 __all__ = ["KEY_FIELDS", "AdminPort", "APIConfig", "ConfigError", "DecodeConfig", "Deployment", "EngineKnobs",
            "HTTPConfig", "KVEventsConfig", "LocalConfig", "LogLevel", "PageSize", "Part", "Port", "Positive",
-           "PrefillConfig", "RouterConfig", "Seconds", "ServeConfig", "Shapes", "StartupError", "StoreConfig",
-           "TierConfig", "TransferBackend", "convert", "engine_conflict", "flat", "keys", "load_config",
+           "PrefillConfig", "RemoteConfig", "RouterConfig", "Seconds", "ServeConfig", "Shapes", "StartupError",
+           "StoreConfig", "TierConfig", "TransferBackend", "convert", "engine_conflict", "flat", "keys", "load_config",
            "load_serve_config", "parts_of", "read_key_file", "read_toml", "replace"]
 
 
@@ -106,6 +106,9 @@ class LocalConfig(PointFront, kw_only=True):
     supervisor (roles/local.py). Its roles' shapes come from the decode point; `secret` (None: a fresh one
     for the children) is shared with stores the operator runs."""
     deploy: Deployment = msgspec.field(default_factory=Deployment)
+    # each child publishes its own (ephemeral endpoints: one fixed endpoint cannot serve them all); with
+    # several decode servers the local router routes on them
+    kv_events: KVEventsConfig | None = None
 
 
 class DecodeConfig(PointFront, kw_only=True):
@@ -155,6 +158,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefix_entries: Positive = 200_000  # block hashes remembered (LRU)
     prefix_load_slack: Annotated[int, Meta(ge=0)] = 4  # a prefix target may carry this many more in flight
     policy: Literal["affinity", "random"] = "affinity"  # affinity: session, prefix, load (router/policy.py)
+    # route the prefix rule on the targets' KV events (their real caches: trnd/router/events.py) instead of
+    # the texts the router sent; needs `model` (the prompt's tokens) and targets started with kv events on
+    kv_events: bool = False
     log_level: LogLevel = "info"
     http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
 
@@ -237,8 +243,8 @@ def load_config(cls: type[msgspec.Struct], path: str | Path | None, overrides: d
 
 # A setting the other `trnd serve` mode applies, given to this one: said so instead of "unknown".
 _OTHER_MODE = {"ServeConfig": "it does not apply with aggregated = true (one process: a local deployment's setting)",
-               "LocalConfig": "it does not apply to a local deployment (its roles' shapes come from the decode point; "
-                              "KV events are each role's, trnd prefill/decode); aggregated = true takes it"}
+               "LocalConfig": "it does not apply to a local deployment (its roles' shapes come from the decode point): "
+                              "aggregated = true takes it"}
 _UNKNOWN = re.compile(r"Object contains unknown field `(\w+)`$")
 
 

@@ -51,6 +51,21 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
 
 
+class RemoteConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The L3 tier's backend: `trnd store`s (their addresses in `store`) or Mooncake Store (store/mooncake.py).
+    In TOML it is a table, [remote]; on the command line --remote-config JSON."""
+    backend: Literal["trnd", "mooncake"] = "trnd"
+    master: str = "127.0.0.1:50051"  # mooncake_master's --rpc_address:--rpc_port
+    metadata_server: str = "http://127.0.0.1:8080/metadata"  # its HTTP metadata server, or P2PHANDSHAKE, etcd://...
+    protocol: Literal["tcp", "rdma", "efa"] = "tcp"
+    device: str = ""  # RDMA/EFA devices ("" for tcp)
+    local_hostname: str = "127.0.0.1"  # how the other clients reach this one's segment
+    # memory this process lends to the store's pool; 0: none, the pages live on store nodes (`mooncake_client`),
+    # so they outlive this role (a role's own segment, and the pages in it, go when it stops)
+    segment_gb: Annotated[float, Meta(ge=0)] = 0.0
+    buffer_gb: Annotated[float, Meta(gt=0)] = 0.125  # this client's staging buffer
+
+
 class Part(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A typed part of a role's config; its fields are flat keys in TOML and flags."""
 
@@ -160,13 +175,14 @@ class EngineKnobs(Part):
 
 
 class TierConfig(Part):
-    """The tiers below the prefix cache: L2 host DRAM, L3 remote stores (trnd/cache/tiers.py)."""
+    """The tiers below the prefix cache: L2 host DRAM, L3 remote stores or Mooncake Store (trnd/cache/tiers.py)."""
     host_cache_gb: Annotated[float, Meta(ge=0)] = 0.0  # L2: evicted prefix pages kept in host DRAM; 0 = off
     host_policy: Literal["write-back", "write-through"] = "write-back"  # on eviction, or on finish
     node_host_memory_gb: Annotated[float, Meta(gt=0)] | None = None  # budget shared by all trnd processes
     store: list[str] = msgspec.field(default_factory=list)  # L3 remote KV stores, host:port; [] = off
     store_on_finish: bool = True  # write finished requests' full pages to L3 (sessions across roles)
     store_deadline_s: Seconds = 1.0  # a slower store is a cache miss
+    remote: RemoteConfig | None = None  # the L3 backend; None: the `trnd store`s at `store`
 
 
 class HTTPConfig(Part):

@@ -49,7 +49,7 @@ def _write(path: Path, data: dict) -> Path:
     return path
 
 
-def _child_events(cfg: ServeConfig) -> dict | None:
+def _child_events(cfg: LocalConfig) -> dict | None:
     """The children's KV events: each binds its own ephemeral ports (one fixed endpoint cannot serve them all)."""
     if cfg.kv_events is None:
         return None
@@ -91,7 +91,7 @@ def role_configs(cfg: LocalConfig, model: str, workdir: Path) -> list[Child]:
     asdict = msgspec.structs.asdict
     lock = cfg.engine.core_lock or (str(workdir / "cores.lock") if cfg.deploy.share_cores else None)
     role = {"model": model, "point": cfg.point, "secret_file": str(secret), "log_level": cfg.log_level,
-            **asdict(cfg.engine), **asdict(cfg.tiers), "core_lock": lock}
+            **asdict(cfg.engine), **msgspec.to_builtins(cfg.tiers), "core_lock": lock, "kv_events": _child_events(cfg)}
     children, controls = [], []
     for i in range(cfg.deploy.num_prefill):
         control = cfg.deploy.prefill_control_port + i if cfg.deploy.prefill_control_port else free_port()
@@ -115,7 +115,7 @@ def role_configs(cfg: LocalConfig, model: str, workdir: Path) -> list[Child]:
         children.append(Child(f"decode{i}", "decode", path, {"decode_port": port}))
         targets.append(f"127.0.0.1:{port}")
     router = {**asdict(cfg.http), "targets": targets, "model": model, "log_level": cfg.log_level,
-              "policy": cfg.deploy.router_policy}
+              "policy": cfg.deploy.router_policy, "kv_events": cfg.kv_events is not None and cfg.kv_events.on}
     children.append(Child("router", "router", _write(workdir / "router.toml", router), {"port": cfg.http.port}))
     return children
 

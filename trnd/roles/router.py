@@ -30,6 +30,9 @@ def run(cfg: RouterConfig, reload_source: Callable[[], RouterConfig] | None = No
 
     if not cfg.targets:
         raise ConfigError("targets = []: the router needs at least one decode server (host:port) - at `$.targets`")
+    if cfg.kv_events and not cfg.model:
+        raise ConfigError("kv_events = true routes on the prompt's token blocks: set model (the targets' model dir) "
+                          "- at `$.model`")
     sock = bind_port(cfg.http.host, cfg.http.port, "port")  # another process on it: one line, exit 1
     with Lifecycle("router", cfg, reload_source) as life:
         tokenizer = _tokenizer(cfg) if cfg.model else None
@@ -58,6 +61,18 @@ async def _main(life, cfg: RouterConfig, tokenizer, sock) -> int:
 
         st = RouterState(cfg=cfg, client=client, targets=targets, index=PrefixIndex(cfg.prefix_entries),
                          tokenizer=tokenizer, progress=life.loop)
+        if cfg.kv_events:
+            from trnd.router.events import EventRouting
+
+            st.events = EventRouting()
+
+            def on_state(t, state: dict) -> None:
+                st.events.sync(t.addr, state.get("kv_events"))
+                for p in state.get("peers") or []:  # a decode's prefill peers: the prefill leg's caches
+                    if p.get("kind") == "prefill" and p.get("kv_events"):
+                        st.events.sync(PREFILL + p["addr"], {"endpoint": p["kv_events"],
+                                                            "replay_endpoint": p.get("kv_events_replay")})
+            targets.on_state = on_state
         http = http_server(build_app(st), cfg.http, sock=sock)
         probes = asyncio.create_task(targets.run(), name="trnd-router-probes")
         try:

@@ -22,10 +22,9 @@ import torch
 from trnd.store.mooncake import MooncakeTier
 from trnd.transfer.plan import Layout
 
-from .procs import free_port
-from .test_api_openai import Server
-from .test_disagg import prompts
-from .test_store import NUM_PAGES, PS, canonical, fill, hashes, layout, new_pools
+from tests.launch import Server, free_port
+from tests.procs.test_disagg import prompts
+from tests.procs.test_store import NUM_PAGES, PS, canonical, fill, hashes, layout, new_pools
 
 mooncake = pytest.importorskip("mooncake.store", reason="the mooncake extra (pip install 'trnd[mooncake]')")
 

@@ -15,10 +15,9 @@ from trnd.events import wire
 from trnd.events.hashes import VllmHasher
 from trnd.router.events import EventRouting, KVIndex
 
-from .procs import stop, wait_for
-from .test_api_openai import Server
-from .test_disagg import prompts
-from .test_router import start_router
+from tests.launch import Server, stop, wait_for
+from tests.procs.test_disagg import prompts
+from tests.system.test_router import start_router
 
 EVENTS = json.dumps({"enable_kv_cache_events": True})
 
@@ -116,7 +115,7 @@ def test_the_prefill_leg_goes_to_the_prefill_server_holding_the_prefix(tiny_qwen
     from decode's /admin/state) and tells decode which one holds the prompt's prefix (x-trnd-prefill); decode
     hands the prompt to it, which computes only the new tokens. Without the hint decode takes the least
     loaded one (the first, on a tie): here the other one."""
-    from .test_disagg import Deployment
+    from tests.procs.test_disagg import Deployment
 
     secret = tmp_path / "secret"
     secret.write_text("events-secret-0123456789")
