@@ -66,6 +66,10 @@ def _engine_flags(p) -> None:
     p.add_argument("--transfer-backend", choices=_choices("transfer_backend"),
                    help="NIXL backend for the KV handoff and L3 (default ucx; libfabric: the EFA path, its tcp "
                         "provider elsewhere; both roles must name the same)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, as vLLM\'s: \'{"method": "ngram" | "draft" | "mtp", '
+                        '"num_speculative_tokens": K, "model": DIR, "prompt_lookup_min": N, "prompt_lookup_max": N}\' '
+                        "(engine/spec/); prefill and decode must be given the same one")
     p.add_argument("--host-cache-gb", type=float, help="L2: host DRAM for evicted prefix pages (default 0: off)")
     p.add_argument("--store", action="append", metavar="HOST:PORT", help="L3: a remote KV store (repeatable)")
     p.add_argument("--remote-config", dest="remote", type=_json_object, metavar="JSON",
@@ -85,13 +89,6 @@ def _api_flags(p) -> None:
     p.add_argument("--reasoning-parser", choices=_choices("reasoning_parser"),
                    help="split <think>...</think> into reasoning_content (default none)")
     p.add_argument("--log-level", choices=_choices("log_level"))
-
-
-def _spec_flag(p) -> None:
-    p.add_argument("--speculative-config", metavar="JSON",
-                   help='speculative decoding, as vLLM\'s: \'{"method": "ngram" | "draft" | "mtp", '
-                        '"num_speculative_tokens": K, "model": DIR, "prompt_lookup_min": N, "prompt_lookup_max": N}\' '
-                        "(engine/spec/); prefill and decode must be given the same one")
 
 
 def _serve_parser(sub) -> None:

@@ -118,12 +118,14 @@ def test_the_l3_backend_is_a_tier_and_reaches_the_engine():
         load_config(PrefillConfig, None, {"remote": {"backend": "redis"}})
 
 
-def test_a_local_deployment_hands_its_children_the_l3_backend_and_kv_events(tmp_path):
-    """trnd serve's children read the same [remote] table; each publishes its own KV events (ephemeral
-    endpoints), and with several decode servers the local router routes on them."""
+def test_a_local_deployment_hands_its_children_the_l3_backend_kv_events_and_speculation(tmp_path):
+    """trnd serve's children read the same [remote] table and speculative_config (the decode-point contract);
+    each publishes its own KV events (ephemeral endpoints), and with several decode servers the local router
+    routes on them."""
     from trnd.roles.local import role_configs
 
     cfg = load_serve_config(None, {"remote": {"backend": "mooncake", "segment_gb": 0.5}, "num_decode": 2,
+                                   "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
                                    "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:5557"},
                                    "prefill_control_port": 9100, "prefill_admin_port": 9200, "decode_port": 9300})
     children = {c.name: c for c in role_configs(cfg, "/m", tmp_path)}
@@ -132,6 +134,7 @@ def test_a_local_deployment_hands_its_children_the_l3_backend_and_kv_events(tmp_
     router = load_config(RouterConfig, children["router"].config)
     for role in (prefill, decode):
         assert role.tiers.remote == cfg.tiers.remote
+        assert role.engine.speculative_config == cfg.engine.speculative_config
         assert role.kv_events.on and role.kv_events.endpoint is None
     assert router.kv_events
 

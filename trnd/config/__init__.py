@@ -25,12 +25,13 @@ from msgspec import Meta
 
 from trnd.config.parts import (KEY_FIELDS, AdminPort, APIConfig, ConfigError, Deployment, EngineKnobs, HTTPConfig,
                                KVEventsConfig, LogLevel, Part, PageSize, Port, Positive, RemoteConfig, Seconds, Shapes,
-                               StartupError, TierConfig, TransferBackend, check_files, check_point, engine_conflict,
-                               flat, invalid, keys, nest, parts_of, read_key, read_key_file, replace)
+                               SpeculativeConfig, StartupError, TierConfig, TransferBackend, check_files, check_point, engine_conflict,
+                               flat, invalid, keys, nest, parse_speculative_config, parts_of, read_key, read_key_file,
+                               replace)
 
 __all__ = ["KEY_FIELDS", "AdminPort", "APIConfig", "ConfigError", "DecodeConfig", "Deployment", "EngineKnobs",
            "HTTPConfig", "KVEventsConfig", "LocalConfig", "LogLevel", "PageSize", "Part", "Port", "Positive",
-           "PrefillConfig", "RemoteConfig", "RouterConfig", "Seconds", "ServeConfig", "Shapes", "StartupError",
+           "PrefillConfig", "RemoteConfig", "RouterConfig", "Seconds", "ServeConfig", "Shapes", "SpeculativeConfig", "StartupError",
            "StoreConfig", "TierConfig", "TransferBackend", "convert", "engine_conflict", "flat", "keys", "load_config",
            "load_serve_config", "parts_of", "read_key_file", "read_toml", "replace"]
 
@@ -251,6 +252,8 @@ _UNKNOWN = re.compile(r"Object contains unknown field `(\w+)`$")
 def convert(cls: type[msgspec.Struct], data: dict, path: str | Path | None = None):
     if isinstance(data.get("log_level"), str):
         data = {**data, "log_level": data["log_level"].lower()}
+    if isinstance(data.get("speculative_config"), str):  # vLLM's JSON text, from the flag or a TOML string
+        data = {**data, "speculative_config": parse_speculative_config(data["speculative_config"])}
     try:
         return msgspec.convert(nest(cls, data), cls)
     except msgspec.ValidationError as e:

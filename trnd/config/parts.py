@@ -66,6 +66,57 @@ class RemoteConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     buffer_gb: Annotated[float, Meta(gt=0)] = 0.125  # this client's staging buffer
 
 
+class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's --speculative-config (engine/spec/): the same JSON on `trnd serve`, `trnd decode` and `trnd prefill`,
+    or a [speculative_config] table in a role's TOML. Part of the decode-point contract: a prefill peer and a
+    decode server with different ones are refused at the handshake, naming the field."""
+    method: Literal["ngram", "draft", "draft_model", "mtp"]  # draft_model: vLLM's name for draft
+    num_speculative_tokens: Annotated[int, Meta(ge=1, le=16)]  # K: tokens drafted per step and verified in one forward
+    model: str | None = None  # the draft checkpoint (method draft): a directory or preset, the target's tokenizer
+    prompt_lookup_min: Annotated[int, Meta(ge=1)] | None = None  # ngram: shortest suffix looked up (default: max's, or 5)
+    prompt_lookup_max: Annotated[int, Meta(ge=1)] | None = None  # ngram: longest suffix looked up (default: min's, or 5)
+    disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = None  # no drafting while this many requests run
+
+    def __post_init__(self):
+        if self.method == "draft_model":
+            self.method = "draft"
+        if self.method == "ngram":  # vLLM's defaults: both 5, or the one given for both
+            self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max or 5
+            self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise msgspec.ValidationError(
+                    f"speculative_config.prompt_lookup_min = {self.prompt_lookup_min} is above prompt_lookup_max = "
+                    f"{self.prompt_lookup_max} - at `$.speculative_config.prompt_lookup_min`")
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise msgspec.ValidationError(f"speculative_config.prompt_lookup_min/max apply to method 'ngram', not "
+                                          f"{self.method!r} - at `$.speculative_config.method`")
+        if self.method == "draft" and not self.model:
+            raise msgspec.ValidationError("speculative_config.method = 'draft' needs model (the draft checkpoint's "
+                                          "directory or a preset) - at `$.speculative_config.model`")
+        if self.method in ("ngram", "mtp") and self.model:
+            raise msgspec.ValidationError(f"speculative_config.model is the draft checkpoint of method 'draft'; "
+                                          f"{self.method!r} takes none - at `$.speculative_config.model`")
+
+    def contract(self) -> dict:
+        """What a prefill peer and a decode server must agree on (the handshake compares it)."""
+        return {f: getattr(self, f) for f in ("method", "num_speculative_tokens", "model", "prompt_lookup_min",
+                                              "prompt_lookup_max")}
+
+
+def parse_speculative_config(text: str) -> dict:
+    """--speculative-config's JSON text -> the table load_config validates (ConfigError: one line)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"speculative_config: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config: expected a JSON object like "
+                          f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}', got {text!r}")
+    return value
+
+
 class Part(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A typed part of a role's config; its fields are flat keys in TOML and flags."""
 
@@ -163,6 +214,7 @@ class EngineKnobs(Part):
     # path; its tcp provider elsewhere). Both ends must name the same one (the handshake refuses a
     # mismatch); transfer/backends.py says what libfabric needs.
     transfer_backend: TransferBackend = "ucx"
+    speculative_config: SpeculativeConfig | None = None  # vLLM's --speculative-config (engine/spec/); None: off
 
     def __post_init__(self):
         bad = engine_conflict(static=self.static, compile_cache=self.compile_cache, compile_decode=self.compile_decode,

@@ -98,7 +98,9 @@ class EngineConfig:
         else:
             dims = msgspec.structs.asdict(shapes or Shapes())
         engine = {k: v for k, v in msgspec.structs.asdict(knobs).items() if k != "compile_cache"}
-        return cls(model=str(model_dir), **{**engine, "static": static},
+        spec = engine.pop("speculative_config")
+        # prefill samples no decode step: no drafts and no draft model (its config's is only the contract)
+        return cls(model=str(model_dir), **{**engine, "static": static}, speculative=None if role == "prefill" else spec,
                    **{**msgspec.structs.asdict(tiers), "store": list(tiers.store)}, store_secret=secret, role=role,
                    compiler=compiler, **dims)
 

@@ -84,7 +84,7 @@ class DecodeServer:
                                                peers=cfg.prefill, max_model_len=cfg.max_model_len)
         self.engine.publish_kv_events(cfg.kv_events, cfg.http.host)
         self.model_name = model_name
-        self.manifest = manifest(self.engine, self.point, "decode", model_name, cfg.speculative_config)
+        self.manifest = manifest(self.engine, self.point, "decode", model_name, cfg.engine.speculative_config)
         self.capacity = point_capacity(self.engine, self.point)
         self.agent = self.engine.agent
         self.layout = self.engine.layout

@@ -88,10 +88,10 @@ def role_configs(cfg: LocalConfig, model: str, workdir: Path) -> list[Child]:
     else:
         secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
-    asdict = msgspec.structs.asdict
+    asdict, plain = msgspec.structs.asdict, msgspec.to_builtins  # plain: [remote], speculative_config as tables
     lock = cfg.engine.core_lock or (str(workdir / "cores.lock") if cfg.deploy.share_cores else None)
     role = {"model": model, "point": cfg.point, "secret_file": str(secret), "log_level": cfg.log_level,
-            **asdict(cfg.engine), **msgspec.to_builtins(cfg.tiers), "core_lock": lock, "kv_events": _child_events(cfg)}
+            **plain(cfg.engine), **plain(cfg.tiers), "core_lock": lock, "kv_events": _child_events(cfg)}
     children, controls = [], []
     for i in range(cfg.deploy.num_prefill):
         control = cfg.deploy.prefill_control_port + i if cfg.deploy.prefill_control_port else free_port()

@@ -60,7 +60,7 @@ class PrefillServer:
                                                bind_host=cfg.http.host)
         self.engine.publish_kv_events(cfg.kv_events, cfg.http.host)
         self.model_name = model_name
-        self.manifest = manifest(self.engine, self.point, "prefill", model_name, cfg.speculative_config)
+        self.manifest = manifest(self.engine, self.point, "prefill", model_name, cfg.engine.speculative_config)
         self.capacity = point_capacity(self.engine, self.point)
         self.layout = self.engine.layout
         self.agent = self.engine.agent

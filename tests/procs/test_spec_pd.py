@@ -14,9 +14,9 @@ from trnd.config import SpeculativeConfig
 from trnd.engine.request import SamplingParams
 from trnd.llm import LLM
 
-from .procs import admin_state, free_port, start_role, stop, wait_for, wait_ready
-from .test_disagg import Deployment, prompts, secret  # noqa: F401  (secret: the module fixture)
-from .test_spec import REPEAT
+from tests.launch import admin_state, free_port, start_role, stop, wait_for, wait_ready
+from tests.procs.test_disagg import Deployment, prompts, secret  # noqa: F401  (secret: the module fixture)
+from tests.unit.test_spec import REPEAT
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
