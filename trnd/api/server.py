@@ -107,7 +107,8 @@ async def chat_completions(request: Request) -> Response:
                                    st.cfg.api.max_logit_bias, st.cfg.api.max_stop_token_ids)
     params.cache_salt, params.prefill_hint = salt_of(req, request, st), prefill_hint(request)
     messages = chat_messages(req)
-    plan = plan_chat(req, st.cfg.api.tool_call_parser, st.cfg.api.reasoning_parser)
+    limits = GrammarLimits.of(st.cfg.api)
+    plan = plan_chat(req, st.cfg.api.tool_call_parser, st.cfg.api.reasoning_parser, limits)
     try:
         prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **plan.template_kwargs)
     except (jinja2.TemplateError, ValueError, TypeError) as e:  # "roles must alternate", no template at all...
@@ -147,7 +148,7 @@ async def completions(request: Request) -> Response:
                                    st.cfg.api.max_logit_bias, st.cfg.api.max_stop_token_ids)
     params.cache_salt, params.prefill_hint = salt_of(req, request, st), prefill_hint(request)
     prompt = check_completion_prompt(req.prompt)
-    limits = GrammarLimits.of(st.cfg)
+    limits = GrammarLimits.of(st.cfg.api)
     params.grammar = await compile_grammar(st.loop.engine, find_grammar(req, limits=limits), limits)
     ids = await _encode(st, prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
     job = Job(st, "completion", ids, params, n, session_of(req, request), bool(req.stream),

@@ -19,7 +19,7 @@ from trnd.sampling_params import GrammarSpec
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    """What one request's grammar may cost (ServeConfig max_grammar_chars, max_grammar_depth,
+    """What one request's grammar may cost (APIConfig max_grammar_chars, max_grammar_depth,
     grammar_compile_s; docs/API.md). Each refusal is a 400 naming the field and the limit."""
     chars: int = 262_144  # the schema / regex / grammar text
     depth: int = 64  # JSON nesting of a schema (a tool's parameters too)

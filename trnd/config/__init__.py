@@ -116,7 +116,11 @@ class DecodeConfig(PointFront, kw_only=True):
     """`trnd decode`: the OpenAI front that owns each request; its prompts' KV comes from prefill peers."""
     prefill: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8100"])  # host:port of prefill peers
     heartbeat_s: Seconds = 1.0
-    peer_timeout_s: Seconds = 3.0  # no frame for this long: the peer is dead
+    # No frame for this long (three missed heartbeats): the peer is lost, whether it died or hangs (SIGSTOP).
+    peer_timeout_s: Seconds = 3.0
+    # With no prefill peer left (every one lost after the first handshake), prefill every prompt here instead of
+    # holding requests for ready_hold_s and answering 503; a peer that comes back is used again at once.
+    local_fallback: bool = True
     fence_s: Annotated[float, Meta(ge=0)] = 2.0  # after losing a peer, its target pages rest this long
     prefill_retries: Annotated[int, Meta(ge=0)] = 1
     # A request's KV must have landed this long after it was sent to a prefill peer, or it fails with
@@ -156,7 +160,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     request_timeout_s: Seconds = 600.0  # no byte from a target this long: the request ends
     retries: Annotated[int, Meta(ge=0, le=4)] = 1  # a request not yet streaming is retried on another target
     prefix_block_chars: Positive = 256  # prefix affinity: the router hashes prompts in blocks of this many chars
-    prefix_entries: Positive = 200_000  # block hashes remembered (LRU)
+    prefix_entries: Positive = 200_000  # block hashes remembered (LRU; ~141 bytes each: 28 MB at most)
+    max_sessions: Positive = 100_000  # session ids remembered per router (LRU, hashed to 32 chars: ~17 MB at most)
+    # Counting a prompt's tokens for fit: at most this many characters are tokenized (off the event loop); a
+    # longer prompt's count is the tokenized part's, scaled by length (the target checks the exact count).
+    max_tokenize_chars: Positive = 262_144
     prefix_load_slack: Annotated[int, Meta(ge=0)] = 4  # a prefix target may carry this many more in flight
     policy: Literal["affinity", "random"] = "affinity"  # affinity: session, prefix, load (router/policy.py)
     # route the prefix rule on the targets' KV events (their real caches: trnd/router/events.py) instead of

@@ -276,6 +276,11 @@ class APIConfig(Part):
     max_stop_chars: Positive = 1024  # their total length
     max_logit_bias: Positive = 300  # logit_bias entries per request (each is added to the logits every step)
     max_stop_token_ids: Positive = 128  # stop_token_ids per request (each new token is looked up among them)
+    # A request's grammar (response_format, structured_outputs, tool schemas; api/structured.py): its text, a
+    # schema's JSON nesting, and the time its compile may take on a worker thread. Past each: 400 naming it.
+    max_grammar_chars: Positive = 262_144
+    max_grammar_depth: Positive = 64
+    grammar_compile_s: Seconds = 10.0
     max_job_tokens: Positive | None = None  # n x (prompt + max_tokens) of one request; None: no cap
     # How this model writes tool calls and reasoning (docs/API.md); "none" turns a parser off.
     tool_call_parser: Literal["hermes", "llama3_json", "none"] = "hermes"  # hermes: Qwen2.5/Qwen3, the default model

@@ -60,9 +60,9 @@ async def _main(life, cfg: RouterConfig, tokenizer, sock) -> int:
         from trnd.api.server import check_body
 
         st = RouterState(cfg=cfg, client=client, targets=targets, index=PrefixIndex(cfg.prefix_entries),
-                         tokenizer=tokenizer, progress=life.loop)
+                         tokenizer=tokenizer, progress=life.loop, check_body=check_body)
         if cfg.kv_events:
-            from trnd.router.events import EventRouting
+            from trnd.router.events import PREFILL, EventRouting
 
             st.events = EventRouting()
 

@@ -14,10 +14,9 @@ import time
 import httpx
 import pytest
 
-from tests.procs import stop
-from tests.test_api_openai import Server
-from tests.test_faults import rss_mb
-from tests.test_router import start_router
+from tests.launch import Server, stop
+from tests.procs.test_faults import rss_mb
+from tests.system.test_router import start_router
 
 pytestmark = pytest.mark.slow
 
