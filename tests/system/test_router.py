@@ -111,9 +111,17 @@ def test_too_long_for_every_server_is_400_with_the_numbers(router):
 def test_bad_json_is_an_openai_400(router):
     r = httpx.post(f"http://127.0.0.1:{router}/v1/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past msgspec's nesting limit
+    # past msgspec's nesting limit, in a field that takes any JSON (a schema): invalid JSON, never a 500
+    n = 100_000
+    deep = (b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
+            + b'{"a": ' * n + b"1" + b"}" * n + b"}}}")
     r = httpx.post(f"http://127.0.0.1:{router}/v1/completions", content=deep, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    # nested where the body's type stops it first: the decode servers' own 400 naming the field (check_body)
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(f"http://127.0.0.1:{router}/v1/completions", content=deep, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
+    assert r.json()["error"]["param"] == "prompt[0]"
 
 
 def test_router_state_and_metrics(router):
