@@ -40,23 +40,30 @@ class Master:
         self.node = None
         self.proc = subprocess.Popen([exe, f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
                                       "--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http}",
-                                      "--http_metadata_server_host=127.0.0.1"],
+                                      "--http_metadata_server_host=127.0.0.1",
+                                      # its metrics server's default port is fixed (9003): a second master on the
+                                      # host (another test run, a benchmark) would take it and this one exit
+                                      f"--metrics_port={free_port()}"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 httpx.get(f"http://127.0.0.1:{self.http}/metadata?key=probe", timeout=1)
                 break
             except httpx.HTTPError:
                 time.sleep(0.1)
         else:
-            raise RuntimeError("mooncake_master did not start")
+            self.kill()
+            raise RuntimeError(f"mooncake_master did not start (exit status {self.proc.poll()})")
         self.node = subprocess.Popen([str(Path(exe).with_name("mooncake_client")), "--global_segment_size=64MB",
                                       "--local_buffer_size=16MB", f"--master_server_address=127.0.0.1:{self.rpc}",
                                       f"--metadata_server=http://127.0.0.1:{self.http}/metadata", "--host=127.0.0.1",
                                       f"--port={free_port()}", "--protocol=tcp"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.5)  # it mounts its segment at the master
+        if self.proc.poll() is not None or self.node.poll() is not None:
+            self.kill()
+            raise RuntimeError(f"mooncake exited: master {self.proc.poll()}, store node {self.node.poll()}")
 
     def config(self, **kw) -> SimpleNamespace:
         return SimpleNamespace(backend="mooncake", master=f"127.0.0.1:{self.rpc}",

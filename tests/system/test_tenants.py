@@ -74,7 +74,7 @@ def test_tenant_b_finds_nothing_of_a_in_l1_or_l3(tiny_qwen3, tmp_path):
             after = scrape(d.port)
             assert total(after, "trnd:prompt_tokens_cached_total") == total(before, "trnd:prompt_tokens_cached_total")
             assert total(after, "trnd:prefix_cache_salts") >= 2
-            assert wait_for(lambda: admin_state(d.port)["tiers"]["remote"]["pages_written"] >= 36, timeout=10)
+            assert wait_for(lambda: admin_state(d.port)["tiers"]["remote"]["pages_written"] >= 36, timeout=60)
         finally:
             d.close()
         cold = Deployment(tiny_qwen3, secret, decode_extra=extra, prefill_extra=extra)

@@ -47,7 +47,8 @@ def _mooncake(tmp: Path, gb: float) -> tuple[list, SimpleNamespace]:
     log = open(tmp / "mooncake.log", "w")
     master = subprocess.Popen([str(exe), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
                                "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
-                               "--http_metadata_server_host=127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
+                               "--http_metadata_server_host=127.0.0.1", f"--metrics_port={free_port()}"],
+                              stdout=log, stderr=subprocess.STDOUT)  # metrics: its default port is fixed (9003)
     time.sleep(1.5)
     node = subprocess.Popen([str(exe.with_name("mooncake_client")), f"--global_segment_size={int(gb * 1024)}MB",
                              "--local_buffer_size=64MB", f"--master_server_address=127.0.0.1:{rpc}",
