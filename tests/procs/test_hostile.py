@@ -222,3 +222,32 @@ def test_grammar_limits_are_400s_naming_the_field_and_the_limit(server):
     assert ok.status_code == 200, ok.text
     assert post(server, {"structured_outputs": {"regex": "[0-9]{3}"}, "max_tokens": 4}).status_code == 200
     still_serves(server)
+
+
+def test_long_session_ids_are_kept_as_their_hash(server):
+    """Before: every request's session id was kept as sent, in the decode and the prefill server's rings of
+    recent traces (512 each): 600 distinct 1 MB ids grew a server by 515 MB (RSS from /proc). An id over 128
+    characters is kept as its 32-character hash (the router's, so it is one session either way); a short one as
+    sent."""
+    from tests.launch import children
+    from tests.procs.test_faults import rss_mb
+    from trnd.http.session import session_key
+
+    def rss() -> float:  # the deployment's: trnd serve and its roles (decode, prefill)
+        return sum(rss_mb(p) for p in {server.proc.pid} | children(server.proc.pid))
+
+    def session_of_reply(r: httpx.Response) -> str:
+        assert r.status_code == 200, r.text[:300]
+        trace = httpx.get(f"{server.url}/admin/requests/{r.json()['id']}", timeout=20).json()["traces"][0]
+        return trace["session_id"]
+
+    assert session_of_reply(post(server, {"session_id": "chat-42"})) == "chat-42"
+    base = rss()
+    with httpx.Client(timeout=60) as c:
+        for i in range(256):
+            body = {"prompt": "hello", "max_tokens": 1, ("session_id", "prompt_cache_key", "user")[i % 3]:
+                    f"{i:04d}" + "x" * 2**20}
+            r = c.post(f"{server.url}/v1/completions", json=body)
+    grew = rss() - base
+    assert grew < 64, f"{grew:.0f} MB for 256 ids of 1 MB"  # kept as sent they were 256 MB
+    assert session_of_reply(r) == session_key("0255" + "x" * 2**20)

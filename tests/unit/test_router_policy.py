@@ -96,7 +96,8 @@ def test_session_and_prefix_maps_are_bounded_and_their_bytes_measured():
     import random
     import tracemalloc
 
-    from trnd.router.policy import PREFIX_ENTRY_BYTES, SESSION_ENTRY_BYTES, PrefixIndex, Sessions, session_key
+    from trnd.http.session import session_key
+    from trnd.router.policy import PREFIX_ENTRY_BYTES, SESSION_ENTRY_BYTES, PrefixIndex, Sessions
 
     assert len(session_key("x" * 2**21)) == 32 and session_key("a\nb\0\udcff") != session_key("a")
     s, p = Sessions(1000), PrefixIndex(1000)

@@ -39,6 +39,7 @@ from trnd.engine.output import StepOutput, TokenLogprob
 from trnd.model.size import model_size
 from trnd.http.app import json_response, read_body, state_of
 from trnd.http.errors import APIError, error_bytes
+from trnd.http.session import kept_session
 from trnd.http.tenant import bearer, tenant_salt
 from trnd.sampling_params import SamplingParams
 
@@ -183,7 +184,9 @@ class Job:
         self.st, self.kind, self.ids, self.n = st, kind, ids, n
         self.plan = plan or ChatPlan()
         self.session_id, self.stream, self.include_usage = session_id, stream, include_usage
-        self.session = session_id or user  # what the per-request log line and /admin/state call its session
+        # what the request's trace, /admin/state and trnd top call its session: a long id (or user) as its 32-char
+        # hash (http/session.py), never kept as sent in the ring of recent traces (512 x 1 MB ids were +515 MB)
+        self.session = kept_session(session_id or user)
         self.prompt_param = prompt_param
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())

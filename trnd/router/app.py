@@ -26,8 +26,9 @@ from trnd.http.admin import Readiness, admin_app
 from trnd.http.app import json_response, read_body, state_of
 from trnd.http.auth import key_swap
 from trnd.http.errors import APIError
+from trnd.http.session import session_key
 from trnd.http.tenant import MAX_SALT_CHARS, bearer, tenant_salt
-from trnd.router.policy import PrefixIndex, Sessions, prefix_hashes, session_key
+from trnd.router.policy import PrefixIndex, Sessions, prefix_hashes
 from trnd.router.proxy import Proxied
 from trnd.router.targets import Target, Targets
 

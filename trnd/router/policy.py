@@ -47,13 +47,6 @@ def prefix_hashes(text: str, block: int, salt: str | None = None) -> list[int]:
     return out
 
 
-def session_key(session: str) -> str:
-    """A client's session id as the router keeps, hashes and forwards it: 32 hex characters whatever the
-    client sent (2 MB, a line break, a NUL, a lone surrogate), so no session costs more than another and none
-    reaches an upstream header as the client wrote it."""
-    return hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-
-
 # Measured with tracemalloc (tests/test_router_policy.py): an OrderedDict entry of a 32-character str key and
 # a shared target address, and of an int key. What the maps' byte gauges in /metrics count per entry.
 SESSION_ENTRY_BYTES = 172
