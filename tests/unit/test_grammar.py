@@ -169,6 +169,21 @@ def test_a_grammar_compiles_once_and_requests_copy_it(grammars):
     assert a.matcher is not b.matcher
 
 
+def test_a_refused_grammar_is_refused_again_without_compiling(grammars, monkeypatch):
+    """Before: a grammar llguidance refuses (a 40 KB schema whose lexer is too big: 0.7-1.5 s) compiled again
+    each time a client sent it, on the one compile thread. The reason is kept by the grammar's digest."""
+    import trnd.engine.grammar as G
+
+    calls = []
+    real = G.grammar_text
+    monkeypatch.setattr(G, "grammar_text", lambda spec: calls.append(spec) or real(spec))
+    bad = GrammarSpec(kind="regex", value="(unclosed-refused-once")
+    why = grammars.check(bad)
+    assert why and grammars.check(bad) == why and len(calls) == 1 and not grammars.cached(bad)
+    good = GrammarSpec(kind="regex", value="[0-9]{2}-refused-once")
+    assert grammars.check(good) is None and grammars.check(good) is None and len(calls) == 2
+
+
 def test_a_compile_past_its_time_is_a_400_naming_the_limit_and_the_loop_serves_meanwhile():
     import asyncio
     import threading
