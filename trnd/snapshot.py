@@ -232,6 +232,8 @@ class Spec(_S):
     acceptance: float = 0.0  # num_accepted_tokens / num_draft_tokens
     mean_accepted_length: float = 0.0  # tokens a verifying step emits per request: 1 + accepted per draft
     backing_off: int = 0  # requests not drafting now: their last drafts kept nothing (it does not pay)
+    plain_steps: int = 0  # decode steps the payoff measure ran without drafts (slower there, or re-measuring)
+    payoff: dict[int, list[float | None]] = {}  # per batch size: [output tok/s drafting, without] (adaptive)
     draft_pages: int | None = None  # the draft model's pool: pages held, of draft_pages_total
     draft_pages_total: int | None = None
 

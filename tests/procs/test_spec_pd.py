@@ -18,7 +18,9 @@ from tests.launch import admin_state, free_port, start_role, stop, wait_for, wai
 from tests.procs.test_disagg import Deployment, prompts, secret  # noqa: F401  (secret: the module fixture)
 from tests.unit.test_spec import REPEAT
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# adaptive off: both sides draft at every step, so their counters can be compared (engine/spec/payoff.py)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
 
 
 def _prompts(tokenizer):
@@ -27,7 +29,8 @@ def _prompts(tokenizer):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_pair_equals_aggregated_output_and_acceptance(tiny_qwen3, secret, method):  # noqa: F811
-    conf = NGRAM if method == "ngram" else {"method": "draft", "num_speculative_tokens": 3, "model": str(tiny_qwen3)}
+    conf = NGRAM if method == "ngram" else {"method": "draft", "num_speculative_tokens": 3, "model": str(tiny_qwen3),
+                                            "adaptive": False}
     flag = ("--speculative-config", json.dumps(conf))
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     llm = LLM(str(tiny_qwen3), dtype="float32", page_size=16, num_pages=1024, speculative=SpeculativeConfig(**conf))

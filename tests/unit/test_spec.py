@@ -25,7 +25,9 @@ REPEAT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\
 
 
 def spec(method: str, k: int = 4, **kw) -> SpeculativeConfig:
-    return SpeculativeConfig(method=method, num_speculative_tokens=k, **kw)
+    """Drafting at every step (adaptive off) unless asked: the counters and seeded draws below are then a
+    function of the inputs, not of how fast this host ran each step."""
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, **{"adaptive": False, **kw})
 
 
 def generate(model, prompts, params, speculative=None, **kw):
@@ -323,3 +325,43 @@ def test_acceptance_in_admin_state_and_trnd_top(tiny_qwen3):
     assert st.draft_pages is None  # n-gram: no draft pool
     line = spec_text(st)
     assert line.startswith("spec ngram k=3 · accepted") and f"({s.num_accepted_tokens}/{s.num_draft_tokens})" in line
+
+
+# -- switching itself off where it does not pay (engine/spec/payoff.py) ----------------------------------------
+
+
+def test_payoff_stops_drafting_where_it_is_slower_and_tries_again_now_and_then():
+    from trnd.engine.spec.payoff import MAX_WAIT, MIN_WAIT, PLAIN_EVERY, Payoff
+
+    pay = Payoff()
+
+    def run(batch, steps, draft_rate, plain_rate):
+        decided = []
+        for _ in range(steps):
+            d = pay.draft_now(batch)
+            decided.append(d)
+            pay.record(batch, d, 10, 10 / (draft_rate if d else plain_rate))
+        return decided
+
+    slow = run(1, 400, draft_rate=50.0, plain_rate=100.0)  # drafting at half the plain rate
+    assert slow[:2] == [True, False]  # each side measured once
+    tries = [i for i, d in enumerate(slow) if d]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[1:4] == [2 * MIN_WAIT, 4 * MIN_WAIT, 8 * MIN_WAIT] and gaps[-1] == MAX_WAIT  # doubling waits
+    assert sum(slow[100:]) <= 400 // MAX_WAIT  # about one step in MAX_WAIT drafts: at most ~1.5% slower here
+    fast = run(4, 200, draft_rate=150.0, plain_rate=100.0)  # another batch size, where drafting pays
+    assert 200 - sum(fast) <= 200 // PLAIN_EVERY + 2  # a plain step now and then keeps the plain average current
+    assert fast[2:PLAIN_EVERY + 1] == [True] * (PLAIN_EVERY - 1)
+    after = run(1, 3 * MAX_WAIT, draft_rate=300.0, plain_rate=100.0)  # the workload changed: drafting pays again
+    assert sum(after[-PLAIN_EVERY:]) >= PLAIN_EVERY - 1
+    assert pay.state()[1][0] > pay.state()[1][1]
+
+
+def test_adaptive_drafting_keeps_greedy_output_and_measures_both_sides(tiny_qwen3, draft_other):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref, _ = generate(tiny_qwen3, prompts(), params)
+    got, engine = generate(tiny_qwen3, prompts(), params, spec("draft", 4, model=str(draft_other), adaptive=True))
+    _same(ref, got)
+    st = engine.state().spec
+    assert st.num_drafts > 0 and st.plain_steps > 0  # both sides ran
+    assert any(d is not None and p is not None for d, p in st.payoff.values()), st.payoff

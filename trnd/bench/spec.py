@@ -2,8 +2,10 @@
 
 Each setting runs in its own child process holding two engines, one without speculation and one with
 it, their rounds interleaved (off, on, on, off, ...) on the same prompts: c requests at once (c = each of
---concurrency), --new-tokens greedy tokens each with eos ignored. TPOT is per request (first token to last over the tokens between), output tok/s over the wall
-time of a round; the figure of each side is its median over the rounds. Random-weight checkpoints
+--concurrency), --new-tokens greedy tokens each with eos ignored. TPOT is per request (first token to
+last over the tokens between), output tok/s over the wall time of a round; the figure of each side is its
+median over the rounds. `held` is the share of the speculating engine's steps that its payoff measure
+(engine/spec/payoff.py) ran without drafts; --always-draft turns that off. Random-weight checkpoints
 accept little, so the settings say where drafts can be right:
 
   draft-target  the draft model is the target itself (a second copy, its own pages): every drafted token is
@@ -16,7 +18,8 @@ accept little, so the settings say where drafts can be right:
                 what it measured.
   ngram-random  n-gram lookup on random prompts: little repeats, acceptance near 0 (what it costs to look).
   draft-mini    a draft 1/10 of the target's width with unrelated random weights: acceptance 0, the
-                speculator backs off (engine/spec/speculator.py); what drafting costs when it never pays.
+                speculator backs off (engine/spec/speculator.py, payoff.py); what drafting costs when it
+                never pays.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", default="1,4", help="requests at once (default 1,4)")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--always-draft", action="store_true",
+                   help="draft at every step (adaptive false, vLLM's way) rather than where it measured to pay")
     p.add_argument("--rounds", type=int, default=4, help="rounds per side, interleaved (default 4)")
 
 
@@ -126,7 +131,8 @@ def _side(model: str, dtype: str, setting: str, spec: dict, concurrency: list[in
         drafted, accepted = after[0] - before[0], after[1] - before[1]
         for side, (tpots, rates) in runs.items():
             out[side][f"c{c}"] = {"tpot_ms": statistics.median(tpots) * 1e3, "tok_s": statistics.median(rates),
-                                  "acceptance": accepted / drafted if drafted else None, "drafted": drafted}
+                                  "acceptance": accepted / drafted if drafted else None, "drafted": drafted,
+                                  "held": (after[2] - before[2]) / max(after[3] - before[3], 1)}
     if on.engine.spec is not None and on.engine.spec.draft is not None:
         out["on"]["prefill"] = _prefill_costs(on, prompts[0][:prompt_len])
     off.engine.close()
@@ -154,9 +160,12 @@ def _prefill_costs(llm, prompt: list[int]) -> dict:
     return {"tokens": len(prompt), "draft_ms": min(draft) * 1e3, "target_ms": min(target) * 1e3}
 
 
-def _counts(llm) -> tuple[int, int]:
+def _counts(llm) -> tuple[int, int, int, int]:
+    """Tokens drafted, accepted, steps held back from drafting (it measured slower), engine steps."""
     s = llm.engine.spec
-    return (s.stats.num_draft_tokens, s.stats.num_accepted_tokens) if s is not None else (0, 0)
+    held = s.payoff.plain_steps if s is not None and s.payoff is not None else 0
+    return (s.stats.num_draft_tokens, s.stats.num_accepted_tokens, held, llm.engine.stats.steps) if s is not None \
+        else (0, 0, 0, 0)
 
 
 def _child(args: tuple, conn) -> None:
@@ -178,10 +187,11 @@ def run_side(args: tuple) -> dict:
     return res
 
 
-def spec_config(setting: str, model: str, k: int) -> dict:
+def spec_config(setting: str, model: str, k: int, adaptive: bool = True) -> dict:
     if setting.startswith("ngram"):
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    return {"method": "draft", "num_speculative_tokens": k,
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+                "adaptive": adaptive}
+    return {"method": "draft", "num_speculative_tokens": k, "adaptive": adaptive,
             "model": model if setting == "draft-target" else _mini_draft(model)}
 
 
@@ -196,12 +206,14 @@ def main(args) -> int:
         return 2
     conc = [int(c) for c in args.concurrency.split(",")]
     print(f"trnd bench spec: target {model}, dtype {args.dtype}, K={args.k}, {args.new_tokens} greedy tokens after "
-          f"{args.prompt_len}-token prompts, concurrency {conc}, median of {args.rounds} rounds", flush=True)
+          f"{args.prompt_len}-token prompts, concurrency {conc}, median of {args.rounds} rounds, "
+          f"{'drafting at every step' if args.always_draft else 'adaptive (drafting where it measured to pay)'}",
+          flush=True)
     print(cpu_line(), flush=True)
     print(f"{'setting':<14}{'c':>3}{'TPOT ms off':>13}{'on':>8}{'ratio':>8}{'tok/s off':>11}{'on':>8}{'ratio':>8}"
-          f"{'accept':>8}")
+          f"{'accept':>8}{'held':>6}")
     for setting in settings:
-        spec = spec_config(setting, model, args.k)
+        spec = spec_config(setting, model, args.k, adaptive=not args.always_draft)
         a = (model, args.dtype, setting)
         rest = (conc, args.new_tokens, args.prompt_len, args.rounds)
         both = run_side((*a, spec, *rest))
@@ -210,7 +222,8 @@ def main(args) -> int:
             x, y = off[f"c{c}"], on[f"c{c}"]
             acc = "-" if y["acceptance"] is None else f"{y['acceptance']:.0%}"
             print(f"{setting:<14}{c:>3}{x['tpot_ms']:>13.2f}{y['tpot_ms']:>8.2f}{y['tpot_ms'] / x['tpot_ms']:>7.2f}x"
-                  f"{x['tok_s']:>11.1f}{y['tok_s']:>8.1f}{y['tok_s'] / x['tok_s']:>7.2f}x{acc:>8}", flush=True)
+                  f"{x['tok_s']:>11.1f}{y['tok_s']:>8.1f}{y['tok_s'] / x['tok_s']:>7.2f}x{acc:>8}"
+                  f"{y['held']:>6.0%}", flush=True)
         if "prefill" in on:
             pf = on["prefill"]
             print(f"{'':<14}the draft's KV for a {pf['tokens']}-token prompt, prefilled on decode: {pf['draft_ms']:.1f} ms "

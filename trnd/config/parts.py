@@ -76,6 +76,9 @@ class SpeculativeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     prompt_lookup_min: Annotated[int, Meta(ge=1)] | None = None  # ngram: shortest suffix looked up (default: max's, or 5)
     prompt_lookup_max: Annotated[int, Meta(ge=1)] | None = None  # ngram: longest suffix looked up (default: min's, or 5)
     disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = None  # no drafting while this many requests run
+    # trnd's: draft only at batch sizes where drafting has measured faster (engine/spec/payoff.py); false:
+    # every step drafts, as vLLM's (a seeded sampling request's tokens then depend on nothing but its seed)
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.method == "draft_model":

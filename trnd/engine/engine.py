@@ -171,10 +171,16 @@ class Engine:
         if self.workers:
             self.workers.step(inputs)
         with self.core_lock.held() if self.core_lock is not None else contextlib.nullcontext():
+            t_forward = time.perf_counter()  # the lock's wait is not the step's cost
             logits = self.runner.forward(inputs)
+            t_forward = time.perf_counter() - t_forward
         if self.on_forward:
             self.on_forward(batch)
+        t_post, generated = time.perf_counter(), self.stats.generation_tokens
         outs = self.postprocess(batch, logits, sampled)
+        if self.spec is not None and not batch.prefill and not arrived:  # decode-only: what speculation weighs
+            self.spec.measured(len(batch.decode), self.stats.generation_tokens - generated,
+                               t_forward + time.perf_counter() - t_post)
         self._propose()
         self.stats.steps += 1
         self.stats.last_step_s = time.perf_counter() - t0

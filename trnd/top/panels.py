@@ -180,12 +180,14 @@ def node_info(t: NodeTrack, now: float) -> Content:
 
 
 def spec_text(sp: S.Spec) -> str:
-    """Speculative decoding: method and K, acceptance overall and by draft position, who backs off."""
+    """Speculative decoding: method and K, acceptance overall and by draft position, who backs off, and the
+    steps run without drafts where drafting measured slower (engine/spec/payoff.py)."""
     by_pos = "/".join(f"{n / sp.num_drafts:.0%}" for n in sp.accepted_per_pos) if sp.num_drafts else "-"
     pages = f" · draft pages {sp.draft_pages}/{sp.draft_pages_total}" if sp.draft_pages_total else ""
     return (f"spec {sp.method} k={sp.num_speculative_tokens} · accepted {sp.acceptance:.0%} "
             f"({sp.num_accepted_tokens}/{sp.num_draft_tokens}) · by position {by_pos} · "
-            f"{sp.mean_accepted_length:.2f} tok/step · backing off {sp.backing_off}{pages}")
+            f"{sp.mean_accepted_length:.2f} tok/step · backing off {sp.backing_off} · "
+            f"held {sp.plain_steps} steps{pages}")
 
 
 # -- batch ------------------------------------------------------------------------------------------

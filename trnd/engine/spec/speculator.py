@@ -6,12 +6,16 @@ one forward, the sampler keeps the accepted ones (engine/sampler.py verify) and 
 
 It switches itself off where it does not pay: a request whose draft kept nothing waits 1, 3, 7, ...
 up to MAX_IDLE steps before drafting again (a draft that keeps a token resets the wait), so at
-acceptance 0 the drafted rows are about one step in MAX_IDLE + 1; and with `disable_by_batch_size`
-(vLLM's field) nothing is drafted while that many requests or more are running.
+acceptance 0 the drafted rows are about one step in MAX_IDLE + 1; the engine's steps are timed and
+drafting stops at a batch size where steps with drafts emit fewer tokens per second than steps without
+(engine/spec/payoff.py: acceptance above 0 that still does not pay, the first steps of every new
+request); and with `disable_by_batch_size` (vLLM's field) nothing is drafted while that many requests
+or more are running.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +24,7 @@ from trnd import snapshot as S
 from trnd.config import SpeculativeConfig
 from trnd.engine.request import Req
 from trnd.engine.spec import ngram
+from trnd.engine.spec.payoff import Payoff
 
 MAX_IDLE = 63  # steps a request that keeps missing waits between drafts, at most
 
@@ -50,6 +55,9 @@ class Speculator:
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
         self._backoff: dict[str, _Backoff] = {}
         self._ids: dict[str, tuple[np.ndarray, int]] = {}  # n-gram: each request's tokens (a buffer, its length)
+        self.payoff = Payoff() if cfg.adaptive else None
+        self._drafting: bool | None = None  # what the last propose decided for the next step (None: nothing to)
+        self._propose_s = 0.0  # what that propose took (a draft model's forwards)
 
     @property
     def method(self) -> str:
@@ -57,17 +65,29 @@ class Speculator:
 
     def propose(self, reqs: list[Req], num_running: int) -> None:
         """Draft for every request that is decoding and has none yet."""
+        self._drafting, self._propose_s = None, 0.0
         if self.cfg.disable_by_batch_size is not None and num_running >= self.cfg.disable_by_batch_size:
             return
+        if not reqs:
+            return
+        self._drafting = self.payoff is None or self.payoff.draft_now(len(reqs))
+        if not self._drafting:
+            return
+        t0 = time.perf_counter()
         want = [(r, k) for r in reqs if not r.draft_ids and (k := self._room(r)) > 0]
-        if not want:
-            return
-        if self.draft is not None:
+        if want and self.draft is not None:
             self.draft.propose(want)
-            return
-        lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
-        for r, k in want:
-            r.draft_ids = ngram.propose(self._tokens(r), k, lo, hi)
+        elif want:
+            lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
+            for r, k in want:
+                r.draft_ids = ngram.propose(self._tokens(r), k, lo, hi)
+        self._propose_s = time.perf_counter() - t0
+
+    def measured(self, batch: int, tokens: int, seconds: float) -> None:
+        """A decode-only step of `batch` requests emitted `tokens` in `seconds` (its forward and sampling);
+        the propose before it decided whether it drafted and took the rest of its cost."""
+        if self.payoff is not None and self._drafting is not None:
+            self.payoff.record(batch, self._drafting, tokens, seconds + self._propose_s)
 
     def _tokens(self, r: Req) -> np.ndarray:
         """The request's tokens as an array kept across steps (only new tokens copied: a prompt may be 1M)."""
@@ -116,6 +136,9 @@ class Speculator:
                       accepted_per_pos=list(s.accepted_per_pos), acceptance=round(s.acceptance, 4),
                       mean_accepted_length=round(1 + s.num_accepted_tokens / s.num_drafts, 3) if s.num_drafts else 0.0,
                       backing_off=sum(b.idle > 0 for b in self._backoff.values()),
+                      plain_steps=self.payoff.plain_steps if self.payoff else 0,
+                      payoff={b: [_round(d), _round(p)] for b, (d, p) in self.payoff.state().items()}
+                      if self.payoff else {},
                       draft_pages=d.pool.num_pages - d.pool.num_free if d else None,
                       draft_pages_total=d.pool.num_pages if d else None)
 
@@ -132,3 +155,7 @@ class Speculator:
         self._ids.pop(rid, None)
         if self.draft is not None:
             self.draft.release(rid)
+
+
+def _round(rate: float | None) -> float | None:
+    return None if rate is None else round(rate, 1)
