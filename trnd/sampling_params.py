@@ -27,6 +27,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k

@@ -122,9 +122,10 @@ def test_top_logprobs_needs_logprobs(server, model):
 
 
 @pytest.mark.parametrize("patch, param", [
-    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"echo": True}, "echo"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"echo": True, "logprobs": 1}, "echo"),
     ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [1, 10**9]}, "prompt"),
-    ({"prompt": [-1]}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [[1], "a"]}, "prompt"), ({"prompt": [[1], []]}, "prompt"), ({"prompt": [[1], [10**9]]}, "prompt"),
     ({"best_of": 3}, "best_of"), ({"temperature": -1}, "temperature"),
 ])
 def test_completions_bad_values(server, model, patch, param):
@@ -216,7 +217,10 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "repetition_penalty", "stream", "stream_options", "session_id", "ignore_eos", "min_tokens",
           "skip_special_tokens", "stop_token_ids", "echo", "best_of", "user", "tools", "tool_choice",
           "response_format", "structured_outputs", "logit_bias", "chat_template_kwargs", "parallel_tool_calls",
-          "suffix", "guided_json", "no_stop_trim", "include_reasoning"]
+          "suffix", "guided_json", "no_stop_trim", "include_reasoning", "include_stop_str_in_output",
+          "truncate_prompt_tokens", "truncation_side", "add_special_tokens", "add_generation_prompt",
+          "continue_final_message", "chat_template", "documents", "priority", "request_id",
+          "return_tokens_as_token_ids", "use_beam_search", "bad_words", "reasoning_effort"]
 
 scalars = (st.none() | st.booleans() | st.integers(-3, 30) | st.integers(-2**70, 2**70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.floats(-3, 3) | st.text(max_size=12))

@@ -156,7 +156,7 @@ def test_bad_requests_are_400_naming_the_field(client, kw, param):
 
 def test_completions_echo_suffix_and_extras(client, server):
     m = client.models.list().data[0].id
-    for kw, param in (({"echo": True}, "echo"), ({"suffix": "x"}, "suffix")):
+    for kw, param in (({"echo": True, "logprobs": 1}, "echo"), ({"suffix": "x"}, "suffix")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=m, prompt="hi", max_tokens=2, **kw)
         assert e.value.body["param"] == param

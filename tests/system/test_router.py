@@ -340,3 +340,28 @@ def test_client_disconnect_aborts_the_request_on_its_server(router, backends):
     server = next(s for s in backends if target.endswith(f":{s.port}"))
     state = server.wait_idle(timeout=10)
     assert state["stats"]["aborted"] == before[server.port] + 1  # aborted, not run to its 900 tokens
+
+
+def test_a_responses_conversation_stays_on_the_server_that_stores_it(router):
+    """The router names a conversation (x-trnd-conversation); its response ids carry that key, so every
+    follow-up by previous_response_id, and GET /v1/responses/{id}, reach the server holding it."""
+    c = client(router)
+    m = c.models.list().data[0].id
+    raw = c.responses.with_raw_response.create(model=m, input="Hi", max_output_tokens=4)
+    reply, target = raw.parse(), raw.headers["x-trnd-target"]
+    for _ in range(3):
+        raw = c.responses.with_raw_response.create(model=m, input="More", max_output_tokens=4,
+                                                   previous_response_id=reply.id)
+        assert raw.headers["x-trnd-target"] == target
+        reply = raw.parse()
+    assert c.responses.retrieve(reply.id).output_text == reply.output_text
+    c.responses.delete(reply.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(reply.id)
+    url = f"http://127.0.0.1:{router}"
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": "Once upon"}).json()["tokens"]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"] == "Once upon"
+    assert httpx.get(f"{url}/version").json()["version"] == __import__("trnd").__version__
+    assert c.models.retrieve(m).id == m
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("no-such-model")

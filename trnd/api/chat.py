@@ -6,14 +6,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import jinja2
+
 from trnd.api import protocol as P
 from trnd.api.errors import invalid
 from trnd.api.reasoning import END, ReasoningParser
 from trnd.api.structured import DEFAULT_LIMITS, GrammarLimits, check_depth, find_grammar, request_grammar
 from trnd.api.tools import make_parser, tool_grammar
+from trnd.model.tokenizer import compile_template
 from trnd.sampling_params import GrammarSpec
 
-RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt")
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
+MAX_TEMPLATE_CHARS = 64 * 1024
 
 
 @dataclass
@@ -69,6 +73,40 @@ def plan_chat(req: P.ChatCompletionRequest, tool_call_parser: str, reasoning_par
     elif choice != "auto":
         raise invalid("tool_choice", f"tool_choice {choice!r} is not one of none, auto, required or a named function")
     return plan
+
+
+def render_chat(req, tokenizer, messages: list[dict], plan: ChatPlan) -> tuple[str, str]:
+    """The prompt text for the engine, and what `echo` puts before the reply: the final message's text when
+    the reply continues it (continue_final_message, or add_generation_prompt false with a final message
+    of the reply's role), as vLLM does."""
+    cont = bool(req.continue_final_message)
+    if cont and req.add_generation_prompt:
+        raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
+                                                "true: the reply either continues the final message or starts one")
+    add_generation_prompt = not cont if req.add_generation_prompt is None else req.add_generation_prompt
+    kwargs = dict(plan.template_kwargs)
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    if req.reasoning_effort is not None:  # as vLLM: templates that read it see it; thinking follows it
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
+    if req.chat_template is not None:
+        if len(req.chat_template) > MAX_TEMPLATE_CHARS:
+            raise invalid("chat_template", f"chat_template is longer than {MAX_TEMPLATE_CHARS} characters")
+        try:
+            compile_template(req.chat_template)
+        except jinja2.TemplateError as e:
+            raise invalid("chat_template", f"chat_template does not compile: {e}") from None
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=cont, chat_template=req.chat_template, **kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as e:  # "roles must alternate", no template at all...
+        param = "continue_final_message" if cont and "final message" in str(e) else (
+            "chat_template" if req.chat_template is not None else "messages")
+        raise invalid(param, f"{param}: the chat template refused the request: {e}") from None
+    role = "assistant" if add_generation_prompt else messages[-1]["role"]
+    echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == role else ""
+    return prompt, echo
 
 
 def chat_grammar(req: P.ChatCompletionRequest, plan: ChatPlan, prompt: str, engine) -> GrammarSpec | None:

@@ -1,10 +1,18 @@
-"""Request fields trnd declares but refuses, the range checks, and small conversions of the fields it
-takes, kept out of protocol.py (bodies only). A field is either served or a 400 naming it: never
-accepted and ignored."""
+"""Request fields trnd declares but does not serve, the range checks, and small conversions of the fields
+it takes, kept out of protocol.py (bodies only). A field is either served or a 400 naming it: never
+accepted and ignored.
+
+`AT_DEFAULT` lists the vLLM and SGLang request fields trnd accepts only at the value that says what trnd
+does anyway: clients and routers written for those servers send them (often every one, with its
+default), so their defaults must pass, and any other value is refused by name. protocol.py declares
+each of them from this table.
+"""
 
 from __future__ import annotations
 
 import math
+
+import msgspec
 
 from trnd.api.errors import invalid
 
@@ -14,16 +22,74 @@ _LEGACY = {"guided_json": "structured_outputs.json (or response_format json_sche
            "guided_whitespace_pattern": "nothing (JSON is compact)"}
 _UNSERVED = {"functions": "use tools", "function_call": "use tool_choice", "audio": "audio output",
              "prediction": "predicted outputs", "web_search_options": "web search",
-             "reasoning_effort": "reasoning effort (use chat_template_kwargs, e.g. enable_thinking)",
              "verbosity": "verbosity", "metadata": "stored completions' metadata"}
-# SGLang / vLLM extras accepted only at the value that says what trnd does anyway (SGLang-style routers
-# such as vllm-router send them all, with these defaults, on every request).
-_ONLY_AT = {"no_stop_trim": (False, "stop strings are always trimmed from the output"),
-            "return_hidden_states": (False, "trnd returns no hidden states"),
-            "continue_final_message": (False, "a reply always starts a new assistant message"),
-            "separate_reasoning": (True, "reasoning is split out whenever a reasoning_parser is configured"),
-            "stream_reasoning": (True, "reasoning is streamed as it comes"),
-            "include_reasoning": (True, "reasoning is always returned")}
+
+# name -> (the values accepted besides null, what trnd does instead). vLLM's protocol (chat and completion
+# requests, sampling and extra params), then SGLang's extras.
+AT_DEFAULT: dict[str, tuple[tuple, str]] = {
+    # vLLM
+    "use_beam_search": ((False,), "trnd samples; it has no beam search"),
+    "length_penalty": ((1.0,), "no beam search"),
+    "watermarking": ((False,), "no watermarking"),
+    "prompt_logprobs": ((), "prompt logprobs are not computed"),
+    "logprob_token_ids": ((), "logprobs are of the sampled and top tokens"),
+    "allowed_token_ids": ((), "use logit_bias or structured_outputs"),
+    "bad_words": (([],), "use logit_bias"),
+    "return_token_ids": ((False,), "token ids are not returned (use logprobs with return_tokens_as_token_ids)"),
+    "return_token_offsets": ((False,), "no token offsets"),
+    "return_prompt_text": ((False,), "the rendered prompt is not returned (POST /tokenize shows it as tokens)"),
+    "routed_experts_prompt_start": ((0,), "no routed-expert data"),
+    "return_mm_kwargs": ((True,), "text only"),
+    "media_io_kwargs": (({},), "text only"),
+    "mm_processor_kwargs": (({},), "text only"),
+    "kv_transfer_params": (({},), "trnd moves KV between its own roles (trnd serve, decode --prefill)"),
+    "ec_transfer_params": (({},), "text only"),
+    "vllm_xargs": (({},), "no custom extensions"),
+    "repetition_detection": ((), "no repetition detection"),
+    "stream_interval": ((1,), "every token is streamed as it comes"),
+    "thinking_token_budget": ((-1,), "no thinking budget"),
+    "prompt_embeds": ((), "prompts are text or token ids"),
+    # SGLang
+    "no_stop_trim": ((False,), "stop strings are trimmed unless include_stop_str_in_output is true"),
+    "return_hidden_states": ((False,), "trnd returns no hidden states"),
+    "return_routed_experts": ((False,), "no routed-expert data"),
+    "routed_experts_start_len": ((0,), "no routed-expert data"),
+    "return_cached_tokens_details": ((False,), "usage.prompt_tokens_details.cached_tokens counts them"),
+    "return_prompt_token_ids": ((False,), "token ids are not returned"),
+    "return_meta_info": ((False,), "no meta info"),
+    "stop_regex": ((), "stop strings are literal"),
+    "lora_path": ((), "no LoRA adapters"),
+    "session_params": ((), "sessions are session_id (prefix-cache affinity)"),
+    "custom_params": ((), "no custom logit processors"),
+    "custom_logit_processor": ((), "no custom logit processors"),
+    "custom_labels": ((), "metrics are labelled by model_name"),
+    "extra_key": ((), "no request classification"),
+    "ngram_corpus_id": ((), "no n-gram speculation"),
+    "bootstrap_host": ((), "trnd's prefill peers come from its config, not the request"),
+    "bootstrap_port": ((), "trnd's prefill peers come from its config, not the request"),
+    "bootstrap_room": ((), "trnd's prefill peers come from its config, not the request"),
+    "routed_dp_rank": ((), "no data parallelism inside a server"),
+    "disagg_prefill_dp_rank": ((), "no data parallelism inside a server"),
+    "data_parallel_rank": ((), "no data parallelism inside a server"),
+    "images_config": ((), "text only"),
+    "max_dynamic_patch": ((), "text only"),
+    "min_dynamic_patch": ((), "text only"),
+    "use_audio_in_video": ((False,), "text only"),
+    "input_ids": ((), "send messages (or token ids to /v1/completions)"),
+    "task": ((), "no quick-instruction tasks"),
+    "separate_reasoning": ((True,), "reasoning is split out whenever a reasoning_parser is configured"),
+    "stream_reasoning": ((True,), "reasoning is streamed as it comes"),
+    "include_reasoning": ((True,), "reasoning is always returned"),
+}
+
+
+def _is(value, accepted) -> bool:
+    """JSON equality with types: true is not 1, 1 is 1.0."""
+    if isinstance(accepted, bool) or isinstance(value, bool):
+        return value is accepted
+    if isinstance(accepted, (int, float)):
+        return isinstance(value, (int, float)) and value == accepted
+    return value == accepted
 
 
 def check_finite(name: str, v: float | None) -> None:
@@ -40,6 +106,15 @@ def check_range(name: str, v: float | None, lo: float, hi: float, lo_open: bool 
         raise invalid(name, f"{name} must be in {left}{lo}, {hi}], got {v}")
 
 
+def check_at_default(req) -> None:
+    """A 400 naming the first AT_DEFAULT field given at a value trnd does not serve."""
+    for name, (accepted, why) in AT_DEFAULT.items():
+        value = getattr(req, name, None)
+        if value is not None and not any(_is(value, a) for a in accepted):
+            shown = " or ".join(["null", *(msgspec.json.encode(a).decode() for a in accepted)])
+            raise invalid(name, f"{name}: only {shown} is supported ({why})")
+
+
 def check_rejected(req) -> None:
     """A 400 naming any field trnd declares but does not serve (so it is never silently ignored)."""
     for name, use in _LEGACY.items():
@@ -48,12 +123,10 @@ def check_rejected(req) -> None:
     for name, what in _UNSERVED.items():
         if getattr(req, name, None) is not None:
             raise invalid(name, f"{name} is not supported: trnd does not serve {what}")
-    for name, (only, why) in _ONLY_AT.items():
-        value = getattr(req, name, None)
-        if value is not None and value != only:
-            raise invalid(name, f"{name}: only {str(only).lower()} is supported ({why})")
+    check_at_default(req)
     if req.store:
-        raise invalid("store", "store: true is not supported (trnd keeps no completions)")
+        raise invalid("store", "store: true is not supported on this route (trnd keeps no completions; "
+                               "POST /v1/responses stores responses)")
     if req.service_tier not in (None, "auto", "default"):
         raise invalid("service_tier", f"service_tier {req.service_tier!r} is not supported (auto or default)")
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:

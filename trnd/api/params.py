@@ -11,6 +11,7 @@ from trnd.api.fields import check_finite, check_range, check_rejected, logit_bia
 from trnd.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_REQUEST_ID = 128
 INT64 = (-2**63, 2**63 - 1)  # JSON integers are unbounded; the engine and the control plane carry int64
 
 
@@ -84,8 +85,12 @@ def to_sampling_params(req: P.ChatCompletionRequest | P.CompletionRequest, max_n
         raise invalid("repetition_penalty", f"repetition_penalty must be > 0, got {req.repetition_penalty}")
     if req.top_k is not None and req.top_k < -1:
         raise invalid("top_k", f"top_k must be -1 (off) or >= 0, got {req.top_k}")
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < -1:
+        raise invalid("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 (the model's context) or >= 0, "
+                                                f"got {req.truncate_prompt_tokens}")
     if req.priority is not None and not INT64[0] <= req.priority < INT64[1]:
         raise invalid("priority", f"priority must be a 64-bit signed integer, got {req.priority}")
+    request_id(req)
     n = 1 if req.n is None else req.n
     if not 1 <= n <= max_n:
         raise invalid("n", f"n must be in [1, {max_n}], got {n}")
@@ -114,8 +119,8 @@ def to_sampling_params(req: P.ChatCompletionRequest | P.CompletionRequest, max_n
     else:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise invalid("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
-        if req.echo:
-            raise invalid("echo", "echo is not supported")
+        if req.echo and req.logprobs is not None:
+            raise invalid("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
         if req.best_of is not None and req.best_of != n:
             raise invalid("best_of", "best_of is not supported (it must be absent or equal to n)")
         logprobs = req.logprobs
@@ -142,6 +147,7 @@ def to_sampling_params(req: P.ChatCompletionRequest | P.CompletionRequest, max_n
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         seed=req.seed,
         stop=stop,
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
         stop_token_ids=stop_token_ids(req, max_stop_token_ids),
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
@@ -152,14 +158,38 @@ def to_sampling_params(req: P.ChatCompletionRequest | P.CompletionRequest, max_n
     return params, n
 
 
-def check_completion_prompt(prompt: str | list[int | str]) -> str | list[int]:
-    """A string, a list of token ids, or a list of exactly one string (for batches of prompts send
-    one request per prompt)."""
+def request_id(req) -> str | None:
+    """The client's request id (vLLM's request_id, SGLang's rid): it names the reply and every engine
+    request, so it is short and printable."""
+    rid, name = (req.request_id, "request_id") if req.request_id is not None else (req.rid, "rid")
+    if rid is not None and not (0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable() and " " not in rid
+                                and "/" not in rid):
+        raise invalid(name, f"{name} must be 1 to {MAX_REQUEST_ID} printable characters without spaces or '/'")
+    return rid
+
+
+def completion_prompts(prompt: str | list) -> list[str | list[int]]:
+    """The prompts of one /v1/completions request: a string, a list of token ids, or a batch (a list of
+    strings or a list of token-id lists), as OpenAI and vLLM take them."""
     if isinstance(prompt, str):
-        return prompt
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
-    if any(isinstance(t, str) for t in prompt):
-        raise APIError(400, "prompt must be a string, a list of token ids, or a list of one string "
-                            "(batches of several prompts are not supported)", param="prompt")
-    return prompt  # type: ignore[return-value]
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if prompt and all(isinstance(p, list) for p in prompt):
+        return list(prompt)
+    if any(not isinstance(t, int) for t in prompt):
+        raise APIError(400, "prompt must be a string, a list of token ids, a list of strings or a list of token-id "
+                            "lists (not a mix)", param="prompt")
+    return [prompt]
+
+
+def truncate(ids: list[int], req, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens: keep the last N tokens (the first N with truncation_side "right"); -1 keeps
+    what the context holds."""
+    n = req.truncate_prompt_tokens
+    if n is None:
+        return ids
+    n = max_model_len if n == -1 else n
+    if len(ids) <= n:
+        return ids
+    return ids[:n] if req.truncation_side == "right" else ids[len(ids) - n:]

@@ -3,7 +3,8 @@
 Requests decode strictly by type (a string where a number belongs is a 400 naming the field) and
 refuse unknown fields (a 400 naming it): a field we do not implement must never be a silent 200.
 Every OpenAI / vLLM field is declared; the ones trnd does not serve are refused in `check_rejected`
-(api/fields.py). Optional fields accept an explicit `null`, which several clients send for "unset".
+(api/fields.py), and vLLM's and SGLang's extras that trnd takes only at their defaults are declared from
+fields.AT_DEFAULT. Optional fields accept an explicit `null`, which several clients send for "unset".
 Value ranges are checked in `to_sampling_params` (api/params.py), which raises APIError naming the param.
 """
 
@@ -14,6 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from trnd.api.fields import AT_DEFAULT
 
 # -- requests ---------------------------------------------------------------------------------------
 
@@ -91,7 +93,12 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
     json_object: bool | None = None
 
 
-class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+# Any JSON value decodes; fields.check_at_default refuses all but the defaults.
+_AtDefault = msgspec.defstruct("_AtDefault", [(name, object, None) for name in AT_DEFAULT], kw_only=True,
+                               forbid_unknown_fields=True)
+
+
+class _Common(_AtDefault, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by both endpoints (OpenAI's, then vLLM's extras, then ours)."""
     model: str | None = None
     max_tokens: int | None = None
@@ -116,6 +123,17 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     user: str | None = None  # recorded in the request log line
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    include_stop_str_in_output: bool | None = None
+    spaces_between_special_tokens: bool | None = None  # no effect with a fast tokenizer, as in vLLM
+    truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: max_model_len)
+    truncation_side: Literal["left", "right"] | None = None  # right: keep the first N instead
+    add_special_tokens: bool | None = None  # chat: false (the template writes them); completions: true
+    echo: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:{id}"
+    request_id: str | None = None  # the reply's id is "{chatcmpl,cmpl}-{request_id}" (vLLM)
+    rid: str | None = None  # SGLang's name for request_id
+    regex: str | None = None  # SGLang: structured_outputs.regex
+    ebnf: str | None = None  # SGLang: structured_outputs.grammar
     # trnd: requests of one conversation share a session (prefix-cache affinity, /admin/state)
     session_id: str | None = None
     priority: int | None = None  # vLLM's: lower is scheduled first (engine/scheduler.py)
@@ -134,10 +152,6 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     service_tier: str | None = None
     prompt_cache_key: str | None = None  # OpenAI's name for a session: taken as session_id
     safety_identifier: str | None = None  # like user
-    # SGLang extras that SGLang-style routers (vllm-router) write into every body with their defaults:
-    # those defaults are what trnd does; any other value is refused (check_rejected)
-    no_stop_trim: bool | None = None
-    return_hidden_states: bool | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -149,24 +163,26 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None
-    continue_final_message: bool | None = None  # SGLang / vLLM extras, see no_stop_trim above
-    separate_reasoning: bool | None = None
-    stream_reasoning: bool | None = None
-    include_reasoning: bool | None = None
+    chat_template: str | None = None  # a Jinja template for this request instead of the model's
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None  # the reply continues the final (assistant) message
+    documents: list[dict] | None = None  # for templates that render RAG documents
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     functions: object = None
     function_call: object = None
     audio: object = None
     modalities: list[str] | None = None
     prediction: object = None
     web_search_options: object = None
-    reasoning_effort: object = None
     verbosity: object = None
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[int | str]  # msgspec allows one array type in a union; shape checked below
+    # a string, token ids, or a batch of either; msgspec allows one array type in a union, so the shape is
+    # checked in params.completion_prompts
+    prompt: str | list[int | str | list[int]]
     logprobs: int | None = None
-    echo: bool | None = None
+    json_schema: str | None = None  # SGLang: structured_outputs.json
     best_of: int | None = None
     suffix: str | None = None
 

@@ -1,4 +1,5 @@
-"""What a request asks the sampler to obey: `response_format`, vLLM's `structured_outputs`, and the
+"""What a request asks the sampler to obey: `response_format`, vLLM's `structured_outputs` (SGLang's `regex`,
+`ebnf`, `json_schema`), and the
 grammar `tool_choice` "required" / a named function imposes, turned into one GrammarSpec. Each is
 compiled here, before the request is queued, so a schema llguidance cannot compile is a 400 naming
 the field, never an unconstrained 200.
@@ -160,6 +161,20 @@ def find_grammar(req, tool_spec: GrammarSpec | None = None, after: str | None = 
             found.append((spec, param))
     if req.structured_outputs is not None:
         found.append(_from_structured_outputs(req.structured_outputs, limits))
+    # SGLang's top-level names for the same constraints, under the same limits
+    for name in ("regex", "ebnf"):
+        text = getattr(req, name, None)
+        if text is not None:
+            _check_size(name, text, limits)
+            n = regex_expansion(text) if name == "regex" else None
+            if n is not None and n > limits.repeat:
+                raise invalid(name, f"{name}: its bounded repetitions expand to {n} pieces, more than the grammar "
+                                    f"engine can enforce (at most {limits.repeat}); write an unbounded repetition "
+                                    "(* or +) and bound the length with max_tokens")
+            found.append((GrammarSpec(kind=name, value=text), name))
+    if getattr(req, "json_schema", None) is not None:  # completions only
+        found.append((GrammarSpec(kind="json_schema", value=_schema_text("json_schema", req.json_schema, limits)),
+                      "json_schema"))
     if tool_spec is not None:
         for i, t in enumerate(getattr(req, "tools", None) or []):
             if t.function.parameters is not None:

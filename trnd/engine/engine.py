@@ -114,7 +114,8 @@ class Engine:
         self.streams[req.rid] = OutputStream(self.tokenizer, req)
         self.scheduler.add(req)
         self.stats.prompt_tokens += req.num_prompt
-        trace.phase(req, f"queued: {req.num_prompt} prompt tokens, max_tokens={params.max_tokens}")
+        trace.phase(req, f"queued: {req.num_prompt} prompt tokens, max_tokens={params.max_tokens}"
+                         + (f", priority={req.priority}" if req.priority else ""))
         return req
 
     def take_prompt_kv_from(self, start: Callable[[Req], Parked | None]) -> None:

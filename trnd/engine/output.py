@@ -34,7 +34,7 @@ class StepOutput(msgspec.Struct):
 class OutputStream:
     def __init__(self, tokenizer: Tokenizer, req: Req):
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, req.params.skip_special_tokens)
-        self.stops = StopChecker(req.params.stop)
+        self.stops = StopChecker(req.params.stop, req.params.include_stop_str_in_output)
         self.want_logprobs = req.params.logprobs is not None
         self._tokens: list[int] = []
         self._text: list[str] = []

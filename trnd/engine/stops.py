@@ -5,15 +5,17 @@ is the text before that occurrence (the longest stop string if several complete 
 OpenAI's "text truncated before the first occurrence of any stop string" except when one stop
 string sits strictly inside another (e.g. "c" and "abcd"): "c" completes first and wins, since a
 streaming engine cannot wait for the future. It does not depend on how the text is split into deltas.
-Empty stop strings are ignored.
+Empty stop strings are ignored. With `include` (vLLM's include_stop_str_in_output) the output runs to the
+end of the stop string instead.
 """
 
 from __future__ import annotations
 
 
 class StopChecker:
-    def __init__(self, stop: list[str]):
+    def __init__(self, stop: list[str], include: bool = False):
         self.stops = [s for s in stop if s]
+        self.include = include
         self._max_hold = max((len(s) for s in self.stops), default=1) - 1
         self._held = ""
         self.stopped = False
@@ -35,7 +37,7 @@ class StopChecker:
                 best = (i + len(s), i, s)
         if best is not None:
             self.stopped, self.matched, self._held = True, best[2], ""
-            return buf[:best[1]], True
+            return buf[:best[0] if self.include else best[1]], True
         hold = self._hold_len(buf)
         self._held = buf[len(buf) - hold:]
         return buf[:len(buf) - hold], False

@@ -16,11 +16,6 @@ from starlette.responses import Response
 
 log = logging.getLogger("trnd.http")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 503: "service_unavailable_error"}
-
-
 class ErrorInfo(msgspec.Struct):
     message: str
     type: str
@@ -42,7 +37,9 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        # OpenAI's two types: the client's fault (the code says which: model_not_found, invalid_api_key...)
+        # or the server's
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers
 
     def body(self) -> ErrorBody:

@@ -6,6 +6,7 @@ rendered the way transformers renders it, so prompts match what a user gets from
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -127,14 +128,22 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        """Render tokenizer_config's chat_template like transformers' apply_chat_template(tokenize=False)."""
-        if self._template is None:
-            self._template = _compile(self._chat_template_source())
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template: str | None = None, **extra) -> str:
+        """Render tokenizer_config's chat_template (or `chat_template`, a request's own) like transformers'
+        apply_chat_template(tokenize=False). continue_final_message: the prompt ends where the final
+        message's text does (no end-of-turn after it), so the reply continues that message."""
+        if chat_template is not None:
+            template = compile_template(chat_template)
+        else:
+            if self._template is None:
+                self._template = compile_template(self._chat_template_source())
+            template = self._template
         specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
                                        ("pad_token", self.pad_token), ("unk_token", self.unk_token)) if v is not None}
         kwargs = {"tools": None, "documents": None, **specials, **extra}
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return _cut_after_final(text, messages[-1].get("content") or "") if continue_final_message else text
 
     def _chat_template_source(self) -> str:
         template = self._cfg.get("chat_template")
@@ -159,7 +168,21 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _compile(source: str) -> jinja2.Template:
+def _cut_after_final(text: str, final: str) -> str:
+    """The rendered chat up to the end of the final message's text (as transformers does it: the template
+    may keep or strip the text's surrounding whitespace)."""
+    if not final.strip():
+        raise ValueError("continue_final_message needs a final message with text")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ValueError("the chat template does not render the final message's text as it is")
+    if text[at:at + len(final.lstrip())] == final.lstrip():
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
+
+
+@functools.lru_cache(maxsize=16)  # requests that bring their own template tend to bring the same one
+def compile_template(source: str) -> jinja2.Template:
     # Templates come with downloaded models: untrusted code, hence the immutable sandbox.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson

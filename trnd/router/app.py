@@ -1,8 +1,10 @@
 """The router's HTTP front: the decode servers' routes, each request proxied to one of them.
 
-`/v1/chat/completions` and `/v1/completions` go to the target trnd/router/policy.py picks; `/v1/models`
-lists what the healthy targets serve; `/health`, `/ready`, `/metrics` and `/admin/state` describe the
-router. The probes, API key and error schema are every role's (trnd/http/).
+`/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/tokenize` and `/detokenize` go to the target
+trnd/router/policy.py picks (a Responses conversation, named by the conversation key in its response ids,
+always to the same one, which stores it); `/v1/models` lists what the healthy targets serve; `/version`,
+`/health`, `/ready`, `/metrics` and `/admin/state` describe the router. The probes, API key and error schema
+are every role's (trnd/http/).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
@@ -20,12 +23,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from trnd import snapshot
+from trnd import __version__, snapshot
 from trnd.config import RouterConfig
 from trnd.http.admin import Readiness, admin_app
 from trnd.http.app import json_response, read_body, state_of
 from trnd.http.auth import key_swap
 from trnd.http.errors import APIError
+from trnd.http.ids import conversation_of
 from trnd.http.session import session_key
 from trnd.http.tenant import MAX_SALT_CHARS, bearer, tenant_salt
 from trnd.router.policy import PrefixIndex, Sessions, prefix_hashes
@@ -33,6 +37,7 @@ from trnd.router.proxy import Proxied
 from trnd.router.targets import Target, Targets
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (the decode servers' too)
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 MESSAGE_OVERHEAD_TOKENS = 8  # chat: the template's role markers per message, when counting with a tokenizer
 
 
@@ -161,7 +166,13 @@ def build_app(st: RouterState) -> Starlette:
     routes = [
         Route("/v1/chat/completions", _route("/v1/chat/completions"), methods=["POST"]),
         Route("/v1/completions", _route("/v1/completions"), methods=["POST"]),
+        Route("/v1/responses", _route("/v1/responses"), methods=["POST"]),
+        Route("/v1/responses/{rid}", stored_response, methods=["GET", "DELETE"]),
+        Route("/tokenize", _route("/tokenize"), methods=["POST"]),
+        Route("/detokenize", _route("/detokenize"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
     ]
     return admin_app(routes, st, state=lambda: router_state(st), metrics=st.metrics.render,
                      api_key=st.cfg.http.resolved_api_key())
@@ -180,6 +191,12 @@ def prompt_text(path: str, data: dict) -> str:
     if path == "/v1/chat/completions":
         return "".join(f"<{m.get('role')}>{_text(m.get('content'))}\n" for m in data.get("messages") or []
                        if isinstance(m, dict))
+    if path == "/v1/responses":
+        items = data.get("input")
+        return items if isinstance(items, str) else "".join(
+            _text(m.get("content") or m.get("output")) for m in items or [] if isinstance(m, dict))
+    if path in TOKENIZER_PATHS:
+        return ""
     p = data.get("prompt")
     return p if isinstance(p, str) else msgspec.json.encode(p).decode()
 
@@ -201,8 +218,14 @@ async def needed_tokens(st: RouterState, path: str, data: dict, text: str) -> in
     """prompt + max_tokens: counted with the model's tokenizer when the router has it (on a worker thread,
     one prompt at a time, at most max_tokenize_chars of it), else bounded by the UTF-8 byte count (a
     byte-level BPE never makes more tokens than bytes)."""
-    chat = path == "/v1/chat/completions"
+    chat = path in ("/v1/chat/completions", "/v1/responses")
+    if path in TOKENIZER_PATHS:
+        return 0  # no context needed: any target tokenizes
     prompt = data.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        # a batch: each prompt is its own engine request, so the longest one must fit
+        return max([await needed_tokens(st, path, {**data, "prompt": p}, p if isinstance(p, str) else "")
+                    for p in prompt])
     if not chat and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         n = len(prompt)  # token ids: counted as they are
     elif st.tokenizer is not None:
@@ -211,7 +234,7 @@ async def needed_tokens(st: RouterState, path: str, data: dict, text: str) -> in
         n += MESSAGE_OVERHEAD_TOKENS * len(data.get("messages") or []) if chat else 0
     else:
         n = len(text.encode("utf-8", errors="replace"))
-    mt = data.get("max_completion_tokens") or data.get("max_tokens")
+    mt = data.get("max_completion_tokens") or data.get("max_tokens") or data.get("max_output_tokens")
     mt = mt if isinstance(mt, int) else (0 if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
     return n + mt
 
@@ -271,11 +294,15 @@ def _route(path: str):
                            param="cache_salt")
         keyed = st.auth is not None and st.auth.expected is not None
         salt = tenant_salt(bearer(request.headers) if keyed else None, salt)
-        if salt is not None and salt != data.get("cache_salt"):  # the tenant travels on in the body
+        if salt is not None and salt != data.get("cache_salt") and path not in TOKENIZER_PATHS:
+            # the tenant travels on in the body (the tokenizer routes touch no cache)
             data["cache_salt"] = salt
             body = msgspec.json.encode(data)
         text = prompt_text(path, data)
         headers = {"content-type": "application/json"}
+        if path == "/v1/responses":  # a conversation stays on the server that stores it
+            conv = _conversation(data.get("previous_response_id")) or uuid.uuid4().hex
+            session, headers["x-trnd-conversation"] = f"resp:{conv}", conv
         key = st.target_key
         auth = f"Bearer {key}".encode() if key else _header_bytes(request, b"authorization")
         if auth:
@@ -293,6 +320,37 @@ def _route(path: str):
         need = await needed_tokens(st, path, data, text)
         return Proxied(st, path, body, bool(data.get("stream")), need, session, hashes, headers)
     return handler
+
+
+def _conversation(response_id) -> str | None:
+    return conversation_of(response_id) if isinstance(response_id, str) else None
+
+
+async def stored_response(request: Request):
+    """GET / DELETE /v1/responses/{id}: to the server its conversation went to (or any, for an id trnd never
+    made: that server answers 404)."""
+    st: RouterState = state_of(request)
+    await st.wait_serving()
+    rid = request.path_params["rid"]
+    conv = _conversation(rid)
+    key = st.target_key
+    auth = f"Bearer {key}".encode() if key else _header_bytes(request, b"authorization")
+    return Proxied(st, request.url.path, b"", False, 0, f"resp:{conv}" if conv else None, [],
+                   {"authorization": auth} if auth else {}, method=request.method)
+
+
+async def model(request: Request) -> Response:
+    name = request.path_params["model"]
+    listed = msgspec.json.decode((await models(request)).body)["data"]
+    card = next((c for c in listed if c["id"] == name), None)
+    if card is None:
+        raise APIError(404, f"The model `{name}` does not exist (served: {', '.join(c['id'] for c in listed)})",
+                       param="model", code="model_not_found")
+    return json_response(card)
+
+
+async def version(request: Request) -> Response:
+    return json_response({"version": __version__})
 
 
 async def models(request: Request) -> Response:

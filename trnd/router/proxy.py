@@ -42,8 +42,8 @@ class Proxied:
     """The ASGI answer to one routed request (returned by the route handler, run by Starlette)."""
 
     def __init__(self, st, path: str, body: bytes, stream: bool, need: int, session: str | None,
-                 hashes: list[int], headers: dict[str, str | bytes]):
-        self.st, self.path, self.body, self.stream = st, path, body, stream
+                 hashes: list[int], headers: dict[str, str | bytes], method: str = "POST"):
+        self.st, self.path, self.body, self.stream, self.method = st, path, body, stream, method
         self.need, self.session, self.hashes, self.headers = need, session, hashes, headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -59,7 +59,7 @@ class Proxied:
         for attempt in range(st.cfg.retries + 1):
             try:
                 target, rule = choose(st.targets.healthy(), self.need, self.session, self.hashes, index,
-                                      st.cfg.prefix_load_slack, exclude=tried, spray=st.next_spray())
+                                      st.cfg.prefix_load_slack, exclude=tried, spray=self.spray())
             except NoTarget as e:
                 status, code = (503, "unavailable") if e.fits else (400, "context_length_exceeded")
                 return await _error(send, APIError(status, str(e), code=code, param=None if e.fits else "max_tokens",
@@ -98,9 +98,14 @@ class Proxied:
         await _error(send, APIError(503, "every decode server tried failed before answering", code="unavailable",
                                     headers={"Retry-After": "2"}))
 
+    def spray(self) -> int | None:
+        """The random policy's draw, except for a stored conversation (/v1/responses): it has one home."""
+        return None if self.session and self.session.startswith("resp:") else self.st.next_spray()
+
     async def _send_upstream(self, target: Target, gone: asyncio.Future):
         """The target's response (headers read), an exception it failed with, or None if the client left."""
-        req = self.st.client.build_request("POST", f"{target.url}{self.path}", content=self.body, headers=self.headers)
+        req = self.st.client.build_request(self.method, f"{target.url}{self.path}", content=self.body,
+                                           headers=self.headers)
         target.in_flight += 1
         sending = asyncio.ensure_future(self.st.client.send(req, stream=True))
         since = asyncio.get_running_loop().time()
