@@ -78,11 +78,18 @@ def _engine_flags(p) -> None:
                         "(default: the `trnd store`s given with --store)")
 
 
+def _api_key_flags(p) -> None:
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="require 'Authorization: Bearer KEY' on /v1 and /admin, KEY read from FILE (or set "
+                        "TRND_API_KEY): unlike --api-key, not visible in ps")
+    p.add_argument("--api-key", help="the same, KEY given on the command line (visible to every user in ps)")
+
+
 def _api_flags(p) -> None:
     """config.py HTTPConfig's and APIConfig's flags, for the OpenAI fronts (serve, decode)."""
     p.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, help="OpenAI API port (default 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    _api_key_flags(p)
     p.add_argument("--served-model-name", help="model name reported by /v1/models (default: directory name)")
     p.add_argument("--tool-call-parser", choices=_choices("tool_call_parser"),
                    help="how the model writes tool calls (default hermes: Qwen2.5/Qwen3 <tool_call> JSON)")
@@ -195,7 +202,7 @@ def _router_parser(sub) -> None:
     p.add_argument("--target", dest="targets", action="append", metavar="HOST:PORT",
                    help="a decode server's HTTP address (repeatable; replaces the config's targets)")
     p.add_argument("--model", metavar="DIR", help="the targets' model dir or preset, to count prompt tokens exactly")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    _api_key_flags(p)
     p.add_argument("--policy", choices=_choices("policy"),
                    help="affinity (default): session, prefix, load; random: the session-unaware baseline for benchmarks")
     p.add_argument("--kv-events", action="store_const", const=True,
@@ -239,6 +246,9 @@ def _compile_parser(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trnd", description="LLM serving daemon (OpenAI API, paged KV cache, "
                                                               "disaggregated prefill/decode)")
+    from trnd import __version__
+
+    parser.add_argument("--version", action="version", version=f"trnd {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("top", help="live operator console for a deployment (trnd top --help)", add_help=False)
     sub.add_parser("points", help="what each decode point needs on this machine for a model (trnd points --help)",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trnd.engine.build import EngineConfig, build
 from trnd.engine.engine import Engine
 from trnd.engine.output import TokenLogprob
+from trnd.model.maker import resolve_model
 from trnd.sampling_params import SamplingParams
 
 
@@ -21,8 +22,10 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args):
-        self.engine = Engine(build(EngineConfig(model=model, **engine_args)))
+    def __init__(self, model: str | None = None, revision: str | None = None, **engine_args):
+        """model: a directory, a Hugging Face id in the local cache, or a preset name (tiny, small), as
+        `trnd serve --model` takes it."""
+        self.engine = Engine(build(EngineConfig(model=str(resolve_model(model, revision)), **engine_args)))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

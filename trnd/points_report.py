@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 GIB = 2**30
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from trnd.backends import resolve_dtype
     from trnd.model.maker import resolve_model
 
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, say=lambda msg: print(f"trnd: {msg}", file=sys.stderr))
     dtype = resolve_dtype(args.dtype)[0] or "the checkpoint's"
     print(f"model {model}, dtype {dtype}, kv_cache_dtype {args.kv_cache_dtype}, tp {args.tp}, kv_memory_gb {args.kv_memory_gb} per rank; this machine: "
           f"{os.cpu_count()} cores, {_mem_gib('MemTotal'):.1f} GiB RAM, {_mem_gib('MemAvailable'):.1f} GiB available")

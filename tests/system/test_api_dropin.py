@@ -360,3 +360,16 @@ def test_responses_reasoning_items(reasoning_server):
     events = list(c.responses.create(model=m, input="Think", max_output_tokens=6, temperature=0, stream=True))
     text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert text == r.output[0].content[0].text
+
+
+def test_metrics_counters_are_counters_with_no_created_series(server, client, model):
+    """As vLLM: no `*_created` series, counters typed counter, model_name on every trnd series."""
+    client.completions.create(model=model, prompt="hi", max_tokens=2)
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "_created" not in text
+    samples = [ln for ln in text.splitlines() if ln.startswith("trnd:")]
+    assert samples and all(f'model_name="{model}"' in ln for ln in samples), \
+        [ln for ln in samples if "model_name" not in ln]
+    for line in text.splitlines():
+        if line.startswith("# TYPE ") and line.split()[2].endswith("_total"):
+            assert line.split()[3] == "counter", line

@@ -3,6 +3,7 @@ official openai client: session affinity, spreading, streaming, failover on SIGK
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import subprocess
@@ -133,7 +134,10 @@ def test_router_state_and_metrics(router):
 
     assert snapshot.decode(s).routing.session == s["routing"]["session"]  # the schema trnd top decodes
     m = httpx.get(f"http://127.0.0.1:{router}/metrics", timeout=10).text
-    assert 'trnd:router_requests_total{route="session"' in m and "trnd:router_target_healthy" in m
+    assert re.search(r'trnd:router_requests_total\{model_name="tiny-qwen3",target="[^"]+",route="session"\}', m)
+    assert "trnd:router_target_healthy" in m and "_created" not in m
+    samples = [ln for ln in m.splitlines() if ln.startswith("trnd:")]
+    assert samples and all('model_name="tiny-qwen3"' in ln for ln in samples), samples
 
 
 def test_sigkill_of_one_server_moves_its_sessions_without_5xx(tiny_qwen3, tmp_path):

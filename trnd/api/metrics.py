@@ -50,16 +50,10 @@ class Metrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("trnd:e2e_request_latency_seconds", "Arrival to last token.", lbl,
                              buckets=_E2E_BUCKETS, registry=r)
-        # Tier counters are cumulative in the engine; exported as gauges of the running totals (a
-        # Counter cannot be set), labelled by tier: host (L2) and remote (L3).
+        # Labelled by tier: host (L2) and remote (L3). The tiers' cumulative counts are counters from the
+        # engine's State (_EngineCounters); these two are levels.
         tl = lbl + ["tier"]
         self.tier_pages = Gauge("trnd:kv_tier_pages_used", "Pages held in a lower KV tier.", tl, registry=r)
-        self.tier_hits = Gauge("trnd:kv_tier_hit_pages_total", "Pages found in a lower tier at admission.", tl,
-                               registry=r)
-        self.tier_misses = Gauge("trnd:kv_tier_miss_pages_total", "Pages looked up and not found.", tl, registry=r)
-        self.tier_in = Gauge("trnd:kv_tier_stored_pages_total", "Pages written down into a tier.", tl, registry=r)
-        self.tier_out = Gauge("trnd:kv_tier_loaded_pages_total", "Pages loaded back from a tier.", tl, registry=r)
-        self.tier_evicted = Gauge("trnd:kv_tier_evicted_pages_total", "Pages a tier dropped.", tl, registry=r)
         self.tier_load_ms = Gauge("trnd:kv_tier_load_latency_ms_p50", "Median load latency of a tier (the latest 256 loads).", tl,
                                   registry=r)
         self.cached_by_source = Counter("trnd:prompt_tokens_cached", "Prompt tokens of finished requests whose KV was "
@@ -112,21 +106,34 @@ class Metrics:
             self.cached_by_source.labels(m, src).inc(n)
 
     def _tiers(self, m: str, tiers: S.Tiers | None) -> None:
-        host = tiers and tiers.host
+        host, remote = tiers and tiers.host, tiers and tiers.remote
         if host:
-            for g, v in ((self.tier_pages, host.used), (self.tier_hits, host.hits), (self.tier_misses, host.misses),
-                         (self.tier_in, host.stored), (self.tier_out, host.loaded), (self.tier_evicted, host.evicted)):
-                g.labels(m, "host").set(v)
+            self.tier_pages.labels(m, "host").set(host.used)
             if host.load_ms is not None and host.load_ms.p50 is not None:
                 self.tier_load_ms.labels(m, "host").set(host.load_ms.p50)
-        remote = tiers and tiers.remote
-        if remote:
-            self.tier_in.labels(m, "remote").set(remote.pages_written)
-            self.tier_hits.labels(m, "remote").set(sum(s.hits for s in remote.stores))
-            self.tier_misses.labels(m, "remote").set(sum(s.misses for s in remote.stores))
-            self.tier_out.labels(m, "remote").set(sum(s.pages_loaded for s in remote.stores))
-            if remote.load_ms is not None and remote.load_ms.p50 is not None:
-                self.tier_load_ms.labels(m, "remote").set(remote.load_ms.p50)
+        if remote and remote.load_ms is not None and remote.load_ms.p50 is not None:
+            self.tier_load_ms.labels(m, "remote").set(remote.load_ms.p50)
+
+
+def tier_counts(tiers: S.Tiers | None) -> dict[str, dict[str, int]]:
+    """The tiers' cumulative page counts by name (hit, miss, stored, loaded, evicted) and tier."""
+    out: dict[str, dict[str, int]] = {}
+    host, remote = tiers and tiers.host, tiers and tiers.remote
+    if host:
+        for k, v in (("hit", host.hits), ("miss", host.misses), ("stored", host.stored), ("loaded", host.loaded),
+                     ("evicted", host.evicted)):
+            out.setdefault(k, {})["host"] = v
+    if remote:
+        for k, v in (("stored", remote.pages_written), ("hit", sum(s.hits for s in remote.stores)),
+                     ("miss", sum(s.misses for s in remote.stores)),
+                     ("loaded", sum(s.pages_loaded for s in remote.stores))):
+            out.setdefault(k, {})["remote"] = v
+    return out
+
+
+_TIER_DOCS = {"hit": "Pages found in a lower tier at admission.", "miss": "Pages looked up and not found.",
+              "stored": "Pages written down into a tier.", "loaded": "Pages loaded back from a tier.",
+              "evicted": "Pages a tier dropped."}
 
 
 class RequestTracker:
@@ -196,6 +203,11 @@ class _EngineCounters:
                                     "Drafted tokens kept, by position in the draft.", labels=["model_name", "position"])
             for pos, v in enumerate(sp.accepted_per_pos):
                 c.add_metric([m, str(pos)], v)
+            yield c
+        for k, by_tier in tier_counts(st.tiers if st is not None else None).items():
+            c = CounterMetricFamily(f"trnd:kv_tier_{k}_pages", _TIER_DOCS[k], labels=["model_name", "tier"])
+            for tier, v in by_tier.items():
+                c.add_metric([m, tier], v)
             yield c
         role = self.m.role_stats() if self.m.role_stats is not None else {}
         for key, v in role.items():

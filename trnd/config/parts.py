@@ -129,9 +129,12 @@ def invalid(field: str, why: str) -> msgspec.ValidationError:
 
 
 def read_key(field: str, value: str | None, file: str | None) -> str | None:
-    """A key given inline or (preferred) in a file, e.g. $CREDENTIALS_DIRECTORY/api_key under systemd."""
+    """A key given inline or (preferred) in a file, e.g. $CREDENTIALS_DIRECTORY/api_key under systemd; an API
+    key also from the TRND_API_KEY environment variable (a key kept out of argv, as vLLM's VLLM_API_KEY)."""
     if file:
         return read_key_file(f"{field}_file", file).decode()
+    if value is None and field == "api_key":
+        return os.environ.get("TRND_API_KEY") or None
     return value
 
 

@@ -15,11 +15,15 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from trnd.model.config import ModelError
+from trnd.model.hub import is_hub_id, snapshot_dir
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: added before training
@@ -513,12 +517,22 @@ PRESET_NAMES = ("tiny", "small", "tiny-moe", "small-moe", "tiny-gptoss")
 log = logging.getLogger("trnd.model")
 
 
-def resolve_model(model: str | None) -> Path:
-    """A model directory, or a preset name made on first use under the cache dir (nothing can be
-    downloaded, so the embedded default is a random-weight model trnd makes itself)."""
+def resolve_model(model: str | None, revision: str | None = None, say: Callable[[str], None] | None = None) -> Path:
+    """A model directory; a Hugging Face id found in the local Hugging Face cache (model/hub.py); or a
+    preset name made on first use under the cache dir (nothing is downloaded, so the embedded default is a
+    random-weight model trnd makes itself, and making one is said: `say`, else the log)."""
     if model is None or model in PRESET_NAMES:
         preset = model or "small"
+        made = not (default_model_dir(preset) / "config.json").is_file()
         path = ensure_model(preset)
+        if made:
+            (say or log.info)(f"created random-weight model {preset!r} at {path} (a preset, made on first use)")
         log.info("model: preset %s at %s", preset, path)
         return path
+    if is_hub_id(model):
+        path = snapshot_dir(model, revision)
+        log.info("model: %s at %s", model, path)
+        return path
+    if revision is not None:
+        raise ModelError(f"revision {revision!r} names a Hugging Face snapshot; model {model!r} is a directory")
     return Path(model)

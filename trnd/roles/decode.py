@@ -356,6 +356,7 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
     from trnd.daemon.lifecycle import Lifecycle
     from trnd.engine.warmup import warm_up_loop
     from trnd.roles.runtime import http_server, run_async
+    from trnd.model.hub import served_name
     from trnd.model.maker import resolve_model
     from trnd.procs import bind_port
 
@@ -365,7 +366,7 @@ def run(cfg: DecodeConfig, reload_source=None) -> int:
     sock = bind_port(cfg.http.host, cfg.http.port, "port")  # another process on it: one line, exit 1, before the load
     with Lifecycle("decode", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)
-        name = cfg.api.served_model_name or model_dir.resolve().name
+        name = cfg.api.served_model_name or served_name(model_dir)
         life.status(f"loading {model_dir}")
         server = DecodeServer(cfg, model_dir, name)
         life.loop = server.loop

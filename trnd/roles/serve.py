@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from trnd.config import ServeConfig
+from trnd.model.hub import served_name
 from trnd.model.maker import resolve_model
 
 log = logging.getLogger("trnd.serve")
@@ -40,7 +41,7 @@ def run(cfg: ServeConfig, reload_source=None) -> int:
             life.status("warming up")
             log.info("warm-up took %.2f s", warm_up(engine))
             loop = life.loop = EngineLoop(engine, cfg.api.max_requests).start()
-            name = cfg.api.served_model_name or model_dir.resolve().name
+            name = cfg.api.served_model_name or served_name(model_dir)
             app = build_app(loop, cfg, name)
             st = app.state.trnd
             log.info("engine ready: %s, %d KV pages of %d tokens, max context %d", name, engine.pool.num_pages,

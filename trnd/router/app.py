@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -44,49 +45,72 @@ MESSAGE_OVERHEAD_TOKENS = 8  # chat: the template's role markers per message, wh
 class RouterMetrics:
     def __init__(self, st: "RouterState"):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("trnd:router_requests", "Requests routed, by target and rule", ["target", "route"],
-                                registry=r)
-        self.failovers = Counter("trnd:router_failovers", "Target failures seen by requests", ["target"],
+        # model_name as on every role's series: the model its targets serve (learned from their /v1/models)
+        m = ["model_name"]
+        self.requests = Counter("trnd:router_requests", "Requests routed, by target and rule",
+                                m + ["target", "route"], registry=r)
+        self.failovers = Counter("trnd:router_failovers", "Target failures seen by requests", m + ["target"],
                                  registry=r)
-        self.retries = Counter("trnd:router_retries", "Requests retried on another target", registry=r)
-        healthy = Gauge("trnd:router_target_healthy", "1 while the target answers /ready", ["target"], registry=r)
-        in_flight = Gauge("trnd:router_target_in_flight", "Requests in flight per target", ["target"], registry=r)
+        self.retries = Counter("trnd:router_retries", "Requests retried on another target", m, registry=r)
+        healthy = Gauge("trnd:router_target_healthy", "1 while the target answers /ready", m + ["target"],
+                        registry=r)
+        in_flight = Gauge("trnd:router_target_in_flight", "Requests in flight per target", m + ["target"],
+                          registry=r)
         self.kv_feed_ok = Gauge("trnd:router_kv_feed_ok", "1 while the target's KV-event feed is complete and "
                                 "current; 0: stale (down, joined mid-stream, batches lost): routed by load only",
-                                ["target"], registry=r)
+                                m + ["target"], registry=r)
         self.kv_blocks = Gauge("trnd:router_kv_index_blocks", "Blocks the KV-event index holds for the target",
-                               ["target"], registry=r)
-        self.kv_routes = Gauge("trnd:router_kv_routes_total", "Requests routed on the KV-event index, by outcome: hit "
-                               "(a target held a prefix), miss (none did), unusable (no candidate's feed was ok: by "
-                               "load), empty (the index held nothing)", ["outcome"], registry=r)
-        entries = Gauge("trnd:router_map_entries", "Entries of the router's bounded maps (LRU)", ["map"], registry=r)
+                               m + ["target"], registry=r)
+        r.register(_KVRoutes(st))
+        entries = Gauge("trnd:router_map_entries", "Entries of the router's bounded maps (LRU)", m + ["map"],
+                        registry=r)
         nbytes = Gauge("trnd:router_map_bytes", "Memory of the router's bounded maps (entries x measured entry size)",
-                       ["map"], registry=r)
-        limit = Gauge("trnd:router_map_capacity", "The maps' bounds (max_sessions, prefix_entries)", ["map"],
+                       m + ["map"], registry=r)
+        limit = Gauge("trnd:router_map_capacity", "The maps' bounds (max_sessions, prefix_entries)", m + ["map"],
                       registry=r)
         self.client_errors = Counter("trnd:router_client_errors", "Requests refused by the router itself (400s), "
-                                     "never counted against a target", registry=r)
+                                     "never counted against a target", m, registry=r)
         self._gauges = (healthy, in_flight, entries, nbytes, limit)
         self.st = st
 
     def render(self) -> bytes:
         healthy, in_flight, entries, nbytes, limit = self._gauges
         for t in self.st.targets.all:
-            healthy.labels(t.addr).set(1 if t.healthy else 0)
-            in_flight.labels(t.addr).set(t.in_flight)
+            healthy.labels(t.model or "", t.addr).set(1 if t.healthy else 0)
+            in_flight.labels(t.model or "", t.addr).set(t.in_flight)
         ev = self.st.events
         if ev is not None:
+            models = {t.addr: t.model or "" for t in self.st.targets.all}
             for addr, f in ev.stats().items():
-                self.kv_feed_ok.labels(addr).set(1 if f["state"] == "ok" else 0)
-                self.kv_blocks.labels(addr).set(f["blocks"])
-            for outcome, n in (("hit", ev.hits), ("miss", ev.misses), ("unusable", ev.unusable),
-                               ("empty", ev.empty_routes), ("prefill_hit", ev.prefill_hits)):
-                self.kv_routes.labels(outcome).set(n)
-        for name, m in (("sessions", self.st.sessions), ("prefix", self.st.index)):
-            entries.labels(name).set(len(m.map))
-            nbytes.labels(name).set(m.nbytes)
-            limit.labels(name).set(m.capacity)
+                self.kv_feed_ok.labels(models.get(addr, ""), addr).set(1 if f["state"] == "ok" else 0)
+                self.kv_blocks.labels(models.get(addr, ""), addr).set(f["blocks"])
+        model = self.st.model_name()
+        for name, mp in (("sessions", self.st.sessions), ("prefix", self.st.index)):
+            entries.labels(model, name).set(len(mp.map))
+            nbytes.labels(model, name).set(mp.nbytes)
+            limit.labels(model, name).set(mp.capacity)
         return generate_latest(self.registry)
+
+
+class _KVRoutes:
+    """trnd:router_kv_routes_total, a counter read from the KV-event routing's own counts at scrape time."""
+
+    def __init__(self, st: "RouterState"):
+        self.st = st
+
+    def collect(self):
+        ev = self.st.events
+        if ev is None:
+            return
+        c = CounterMetricFamily("trnd:router_kv_routes", "Requests routed on the KV-event index, by outcome: hit "
+                                "(a target held a prefix), miss (none did), unusable (no candidate's feed was ok: by "
+                                "load), empty (the index held nothing), prefill_hit (a prefill server held it)",
+                                labels=["model_name", "outcome"])
+        model = self.st.model_name()
+        for outcome, n in (("hit", ev.hits), ("miss", ev.misses), ("unusable", ev.unusable),
+                           ("empty", ev.empty_routes), ("prefill_hit", ev.prefill_hits)):
+            c.add_metric([model, outcome], n)
+        yield c
 
 
 @dataclass(kw_only=True)
@@ -131,6 +155,10 @@ class RouterState(Readiness):
             return swap()
         return commit
 
+    def model_name(self) -> str:
+        """The model the targets serve (their /v1/models), for every series' model_name ("" until one answered)."""
+        return next((t.model for t in self.targets.all if t.model), "")
+
     def in_flight(self) -> int:
         return sum(t.in_flight for t in self.targets.all)
 
@@ -144,15 +172,15 @@ class RouterState(Readiness):
     def count(self, t: Target, rule: str) -> None:
         t.requests += 1
         self.routed[rule] += 1
-        self.metrics.requests.labels(t.addr, rule).inc()
+        self.metrics.requests.labels(t.model or "", t.addr, rule).inc()
 
     def count_retry(self) -> None:
         self.retries += 1
-        self.metrics.retries.inc()
+        self.metrics.retries.labels(self.model_name()).inc()
 
     def count_failover(self, t: Target) -> None:
         self.failovers += 1
-        self.metrics.failovers.labels(t.addr).inc()
+        self.metrics.failovers.labels(t.model or "", t.addr).inc()
 
 
 def target_headers(cfg: RouterConfig) -> dict[str, str]:
@@ -274,7 +302,7 @@ def _route(path: str):
                 st.check_body(path, body)  # the decode servers' own 400s (a field of the wrong type, ...)
             data = msgspec.json.decode(body)
         except APIError:
-            st.metrics.client_errors.inc()
+            st.metrics.client_errors.labels(st.model_name()).inc()
             raise
         except msgspec.DecodeError as e:
             raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from None

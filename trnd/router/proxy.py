@@ -70,7 +70,7 @@ class Proxied:
             try:
                 resp = await self._send_upstream(target, gone)
             except (httpx.LocalProtocolError, httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
-                st.metrics.client_errors.inc()  # nothing left the router: not the target's failure
+                st.metrics.client_errors.labels(st.model_name()).inc()  # nothing left the router: not the target's failure
                 return await _error(send, APIError(400, f"The request cannot be forwarded as sent: {e}",
                                                    code="invalid_request"))
             if resp is None:  # the client left while waiting

@@ -167,12 +167,12 @@ class TopApp(App):
     BINDINGS = [
         *(Binding(str(i + 1), f"panel('{name}')", name, group=PANEL_KEYS) for i, name in enumerate(PANELS)),
         Binding("slash", "filter", "Filter"),
-        Binding("f", "follow", "Follow", show=False),  # in the help; the 80-column footer is full
+        Binding("f", "follow", "Follow"),
         Binding("s", "sort", "Sort"),
         Binding("p", "pause", "Pause"),
         Binding("a", "abort", "Abort"),
         Binding("d", "drain", "Drain"),
-        Binding("e", "evict", "Evict"),
+        Binding("e", "evict", "Evict", show=False),  # in the help: the 80-column footer holds the rest
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
         Binding("escape", "close_filter", show=False),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 import sys
 
@@ -17,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("targets", nargs="*", metavar="TARGET",
                    help="http://host:port or unix:/run/trnd/ROLE.sock (the API port of serve/decode, the admin "
                         f"port of prefill); default: the roles in {CONFIG_DIR}/*.toml, else http://127.0.0.1:8000")
-    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $TRND_API_KEY)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
     p.add_argument("--once", action="store_true", help="print one plain-text snapshot of every target and exit "
                                                        "(exit status 1 if any is unreachable)")
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> int:
     if args.interval <= 0:
         print("trnd top: --interval must be positive", file=sys.stderr)
         return 2
-    targets = resolve_targets(args.targets, args.api_key, args.config_dir)
+    targets = resolve_targets(args.targets, args.api_key or os.environ.get("TRND_API_KEY"), args.config_dir)
     from trnd.top.app import TopApp, poll_timeout
 
     if args.once:

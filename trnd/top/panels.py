@@ -334,6 +334,15 @@ class CachePanel(VerticalScroll):
 
 # -- transfers --------------------------------------------------------------------------------------
 
+def fmt_counter(key: str, v: int | float) -> str:
+    """A transfer counter for reading: bytes scaled, times in ms with one decimal, counts as they are."""
+    if key == "bytes":
+        return fmt_bytes(v)
+    if key.endswith("_ms"):
+        return f"{v:,.1f}"
+    return f"{v:,.3g}" if isinstance(v, float) else str(v)
+
+
 class TransfersPanel(Vertical):
     """KV handoffs between prefill and decode roles: counters, handoffs in flight, throughput per peer."""
 
@@ -362,8 +371,7 @@ class TransfersPanel(Vertical):
             if not (counters or flights or peers):
                 continue
             failed = counters.get("failed", 0)
-            figs = " · ".join(f"{k} {fmt_bytes(v) if k == 'bytes' else v}" for k, v in counters.items()
-                              if v or k == "failed")
+            figs = " · ".join(f"{k} {fmt_counter(k, v)}" for k, v in counters.items() if v or k == "failed")
             summary.append(Content.from_markup(f"[b]$name[/b] ({t.role}) $figs", name=t.name, figs=figs)
                            + (Content.from_markup("  [$text-error]failures![/]") if failed else Content("")))
             for f in flights:
