@@ -45,8 +45,13 @@ def chat(port: int, body: dict, headers=None, timeout=60) -> httpx.Response:
 
 
 def metric(port: int, name: str) -> float:
+    """The sum of a series' samples; name may carry labels (name{a="b"}), matched in any order among others
+    (prometheus_client writes them sorted, model_name among them)."""
+    base, _, want = name.partition("{")
+    want = [w for w in want.rstrip("}").split(",") if w]
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name))
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if (ln.startswith(base + "{") or ln.startswith(base + " ")) and all(w in ln for w in want))
 
 
 def healthy(port: int) -> list[bool]:
