@@ -63,9 +63,8 @@ class StoreClient(Links):
         self.deadline_s = deadline_s
         self.write_deadline_s = write_deadline_s or deadline_s
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
-        num_heads = max(h1 for _, h1 in local.rank_heads)
-        self.canonical = Layout(local.num_layers, local.page_size, local.head_dim, local.itemsize, ((0, num_heads),),
-                                local.scale_bytes)
+        self.canonical = local.canonical()
+        num_heads = self.canonical.rank_heads[0][1]
         self.page_bytes = self.canonical.page_bytes(0)
         self.read_plan = make_plan(self.canonical, local)
         self.write_plan = make_plan(local, self.canonical)

@@ -85,9 +85,8 @@ class MooncakeTier:
         an already set-up MooncakeDistributedStore (tests), else one is made and set up here."""
         self.cfg, self.local, self.pools, self.deadline_s = remote, local, pools, deadline_s
         self.xfer_metrics = metrics or TransferMetrics()
-        num_heads = max(h1 for _, h1 in local.rank_heads)
-        self.canonical = Layout(local.num_layers, local.page_size, local.head_dim, local.itemsize, ((0, num_heads),),
-                                local.scale_bytes)
+        self.canonical = local.canonical()
+        num_heads = self.canonical.rank_heads[0][1]
         self.page_bytes = self.canonical.page_bytes(0)
         self.read_plan = make_plan(self.canonical, local)
         self.write_plan = make_plan(local, self.canonical)

@@ -31,6 +31,11 @@ class Layout:
         h0, h1 = self.rank_heads[rank]
         return self.num_layers * 2 * (h1 - h0) * self.head_bytes
 
+    def canonical(self) -> "Layout":
+        """The same pages at tp=1, every KV head in one page: what an L3 store keeps, whatever the writer's TP."""
+        heads = max(h1 for _, h1 in self.rank_heads)
+        return Layout(self.num_layers, self.page_size, self.head_dim, self.itemsize, ((0, heads),), self.scale_bytes)
+
 
 @dataclass(frozen=True)
 class Segment:
