@@ -217,10 +217,11 @@ def _model_parser(sub) -> None:
     i = msub.add_parser("init", help="write a random-weight Hugging Face-format model with a trained tokenizer")
     i.add_argument("dir", help="output directory")
     # maker.PRESET_NAMES and maker.ARCHS (not imported here: the maker imports torch; tests/test_maker.py checks)
-    i.add_argument("--preset", choices=["tiny", "small", "tiny-moe", "small-moe", "tiny-gptoss"], default="tiny",
+    i.add_argument("--preset", choices=["tiny", "small", "tiny-moe", "small-moe", "tiny-gptoss", "tiny-mla",
+                                        "tiny-mla-v3"], default="tiny",
                    help="tiny: tests; small: ~100M, benchmarks; tiny-moe / small-moe: Qwen3-MoE (small-moe ~380M, "
-                   "~85M active); tiny-gptoss: GPT-OSS")
-    i.add_argument("--arch", choices=["qwen3", "llama", "qwen3_moe", "gpt_oss"],
+                   "~85M active); tiny-gptoss: GPT-OSS; tiny-mla / tiny-mla-v3: DeepSeek-V2 / V3 (MLA)")
+    i.add_argument("--arch", choices=["qwen3", "llama", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"],
                    help="default: the preset's (qwen3 for tiny and small)")
     i.add_argument("--quant", choices=["fp8", "mxfp4"],
                    help="fp8: block-scaled FP8 linears (the Qwen3 *-FP8 format); mxfp4: GPT-OSS's MXFP4 experts")

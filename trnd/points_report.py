@@ -34,7 +34,7 @@ def rows(model_dir, dtype: str, tp: int, kv_memory_gb: float, kv_cache_dtype: st
     from trnd.points import capacity, check_positions, load_points
 
     mc = ModelConfig.from_dir(model_dir, resolve_dtype(dtype)[0])
-    h0, h1 = TPGroup(0, tp).kv_heads(mc.num_kv_heads)
+    h0, h1 = TPGroup(0, tp).kv_heads(mc.pool.heads)
     out = []
     for name, p in sorted(load_points().items(), key=lambda kv: kv[1].max_context):
         page_bytes = kv_page_bytes(mc, h1 - h0, p.page_size, kv_cache_dtype)

@@ -49,13 +49,14 @@ def test_tiny_loads_in_transformers_and_runs_forward(tiny_dirs, arch):
         logits = model(ids).logits.float()
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
     assert torch.isfinite(logits).all()
-    # The weights HF uses are the ones on disk (transformers holds Qwen3-MoE's experts stacked).
+    # The weights HF uses are the ones on disk (transformers holds Qwen3-MoE's and DeepSeek's experts stacked, and
+    # DeepSeek's router in fp32).
     disk = _read_weights(tiny_dirs[arch])
-    if arch == "qwen3_moe":
+    if arch in maker.EXPERT_ARCHS:
         disk = maker.fuse_experts(json.loads((tiny_dirs[arch] / "config.json").read_text()), disk)
     state = model.state_dict()
     for name, w in disk.items():
-        assert torch.equal(state[name], w), name
+        assert torch.equal(state[name].to(w.dtype), w), name
 
 
 @pytest.mark.parametrize("arch", maker.ARCHS)
@@ -85,8 +86,9 @@ def test_config_matches_preset(preset, arch):
     tok_size = 1000
     cfg = make_config(preset, arch, tok_size)
     p = maker.PRESETS[preset]
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size"):
+    mla = arch in maker.DEEPSEEK  # one latent, not KV heads; head_dim is the rope part's (as transformers sets it)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                *(() if mla else ("num_key_value_heads", "head_dim"))):
         assert cfg[key] == p[key], key
     assert cfg["vocab_size"] == (32000 if preset.startswith("small") else 1024)
     assert cfg["vocab_size"] % 64 == 0 and cfg["vocab_size"] >= tok_size
@@ -102,6 +104,10 @@ def test_config_matches_preset(preset, arch):
         assert cfg["tie_word_embeddings"] is False and cfg["attention_bias"] is True
         assert cfg["rope_parameters"]["rope_type"] == "yarn"
         assert cfg["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    elif mla:
+        assert cfg["head_dim"] == cfg["qk_rope_head_dim"] and cfg["num_key_value_heads"] == cfg["num_attention_heads"]
+        assert cfg["first_k_dense_replace"] == 1 and cfg["n_shared_experts"] == 1
+        assert cfg["q_lora_rank"] == p.get("q_lora_rank")
     else:
         assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is False
         assert cfg["rope_theta"] == 500000.0
@@ -118,7 +124,7 @@ def test_files_match_config(tiny_dirs, arch):
     weights = _read_weights(d)
     assert {k: tuple(v.shape) for k, v in weights.items()} == param_shapes(cfg)
     assert all(v.dtype == torch.bfloat16 for v in weights.values())
-    assert ("lm_head.weight" in weights) == (arch in ("llama", "gpt_oss"))
+    assert ("lm_head.weight" in weights) == (arch in ("llama", "gpt_oss", *maker.DEEPSEEK))
     assert ("model.layers.0.self_attn.q_norm.weight" in weights) == (arch in ("qwen3", "qwen3_moe"))
     assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == [maker.IM_END, maker.ENDOFTEXT]
     assert (d / "model.safetensors").is_file() and not (d / "model.safetensors.index.json").exists()

@@ -142,8 +142,11 @@ def build(cfg: EngineConfig) -> Parts:
         torch.set_num_threads(cfg.threads)
     mc = ModelConfig.from_dir(cfg.model, cfg.dtype)
     tokenizer = Tokenizer.from_dir(cfg.model)
+    if mc.mla is not None and (why := mla_conflict(cfg)):
+        raise StartupError(f"{why}: {mc.arch}'s latent KV pool (MLA) runs on the eager path with model-dtype "
+                           "pages only for now")
     tp = TPGroup(0, cfg.tp)
-    nk = tp.kv_heads(mc.num_kv_heads)
+    nk = tp.kv_heads(mc.pool.heads)
     tp.split(mc.num_heads, "num_attention_heads")  # refuse a bad layout before starting processes
     page_bytes = kv_page_bytes(mc, nk[1] - nk[0], cfg.page_size, cfg.kv_cache_dtype)
     num_pages = cfg.num_pages or max(2, int(cfg.kv_memory_gb * 2**30) // page_bytes)
@@ -170,12 +173,13 @@ def build(cfg: EngineConfig) -> Parts:
                                           cfg.prefix_cache), pool, radix)
     max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size)
     runner = make_runner(cfg, model, mc, pools[0], pool, scratch_page, max_model_len)
-    heads = tuple(TPGroup(r, tp.size).kv_heads(mc.num_kv_heads) for r in range(tp.size))
-    itemsize, scale_bytes = fp8.block_bytes(pools[0].dtype, cfg.page_size, mc.head_dim)
+    heads = tuple(TPGroup(r, tp.size).kv_heads(mc.pool.heads) for r in range(tp.size))
+    itemsize, scale_bytes = fp8.block_bytes(pools[0].dtype, cfg.page_size, mc.pool.width)
     parts = Parts(cfg=cfg, model_config=mc, tokenizer=tokenizer, model=model, tp=tp, pools=pools, workers=workers,
                   pool=pool, radix=radix, scheduler=scheduler, runner=runner, max_model_len=max_model_len,
                   namespace=namespace, scratch_page=scratch_page, kernels=kernels,
-                  layout=Layout(mc.num_layers, cfg.page_size, mc.head_dim, itemsize, heads, scale_bytes),
+                  layout=Layout(mc.num_layers, cfg.page_size, mc.pool.width, itemsize, heads, scale_bytes,
+                                mc.pool.parts, mc.pool.name),
                   # Per-peer transfer metrics of this process (transfer/metrics.py): the store client's reads and
                   # writes, the roles' KV handoffs; /metrics renders them with the rest (api/metrics.py).
                   xfer_metrics=TransferMetrics(Path(cfg.model).resolve().name),  # the served name: api/metrics.py
@@ -198,6 +202,18 @@ def build(cfg: EngineConfig) -> Parts:
     if cfg.static:
         log.info(runner.summary())
     return parts
+
+
+def mla_conflict(cfg: EngineConfig) -> str | None:
+    """What an MLA model's engine cannot take yet, named by its setting: fp8 latent pages (kernels/fp8.py writes K|V
+    pairs), the static path and compiled decode (their traced attention is the GQA one)."""
+    if cfg.kv_cache_dtype != "auto":
+        return f"kv_cache_dtype = {cfg.kv_cache_dtype!r} is not served for MLA"
+    if cfg.static:
+        return "static = true (or a compile cache) is not served for MLA"
+    if cfg.compile_decode:
+        return "compile_decode = true is not served for MLA"
+    return None
 
 
 def page_namespace(cfg: EngineConfig, mc: ModelConfig) -> str:

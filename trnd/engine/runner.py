@@ -29,9 +29,11 @@ class StepInputs(msgspec.Struct, array_like=True):
 
 
 def kv_page_bytes(cfg: ModelConfig, num_kv_heads_local: int, page_size: int, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one page on one rank: all layers, K and V, this rank's KV heads (fp8: with their scales)."""
-    itemsize, scale_bytes = fp8.block_bytes(fp8.kv_dtype(kv_cache_dtype, cfg.dtype), page_size, cfg.head_dim)
-    return cfg.num_layers * 2 * num_kv_heads_local * (page_size * cfg.head_dim * itemsize + scale_bytes)
+    """Bytes of one page on one rank: all layers, every part of the pool kind (K and V; MLA's one latent part),
+    this rank's heads (fp8: with their scales)."""
+    pool = cfg.pool
+    itemsize, scale_bytes = fp8.block_bytes(fp8.kv_dtype(kv_cache_dtype, cfg.dtype), page_size, pool.width)
+    return cfg.num_layers * pool.parts * num_kv_heads_local * (page_size * pool.width * itemsize + scale_bytes)
 
 
 def prepare(batch: Batch, page_size: int) -> tuple[StepInputs, list[Req]]:
@@ -75,7 +77,8 @@ def alloc_kv(cfg: ModelConfig, num_kv_heads_local: int, num_pages: int, page_siz
              shared: bool = False, device: str = "cpu", kv_cache_dtype: str = "auto") -> torch.Tensor:
     """kv[page, layer, k|v, kv_head, slot, head_dim]: see kernels/attention.py for why page-major; an fp8
     pool is kv[page, layer, k|v, kv_head, slot * head_dim + 4] (each block's values, then its scale:
-    kernels/fp8.py).
+    kernels/fp8.py). Generally kv[page, layer, part, head, slot, width] of the model's pool kind
+    (model/config.py PoolKind): MLA's latent pool is kv[page, layer, 1, 1, slot, kv_lora_rank + qk_rope_head_dim].
     shared: in shared memory, so the role process can map every rank's pool (one NIXL agent per role
     registers them all, and the host tier copies pages out of any rank); host memory only.
     device: the backend's device. The pool is made there, never moved: the host tier and the transfers
@@ -83,9 +86,10 @@ def alloc_kv(cfg: ModelConfig, num_kv_heads_local: int, num_pages: int, page_siz
     if shared and device != "cpu":
         raise ValueError(f"a shared-memory KV pool lives in host memory, not on {device!r}")
     dtype = fp8.kv_dtype(kv_cache_dtype, cfg.dtype)
-    block = (page_size * cfg.head_dim + fp8.SCALE_BYTES,) if fp8.is_fp8(torch.empty(0, dtype=dtype)) else \
-        (page_size, cfg.head_dim)
-    kv = torch.zeros(num_pages, cfg.num_layers, 2, num_kv_heads_local, *block, dtype=dtype, device=device)
+    pool = cfg.pool
+    block = (page_size * pool.width + fp8.SCALE_BYTES,) if fp8.is_fp8(torch.empty(0, dtype=dtype)) else \
+        (page_size, pool.width)
+    kv = torch.zeros(num_pages, cfg.num_layers, pool.parts, num_kv_heads_local, *block, dtype=dtype, device=device)
     return kv.share_memory_() if shared else kv
 
 
@@ -96,7 +100,7 @@ class ModelRunner:
     def __init__(self, model, cfg: ModelConfig, kv: torch.Tensor):
         self.model, self.cfg, self.kv = model.to(kv.device), cfg, kv
         self.device = kv.device
-        self.page_size = fp8.page_size_of(kv, cfg.head_dim)
+        self.page_size = fp8.page_size_of(kv, cfg.pool.width)
         self.num_kv_heads = model.layers[0].attn.nk  # this rank's
         self.compiled = None  # engine/compiled.py CompiledDecode: takes the decode-only steps when set
         assert kv.shape[3] == self.num_kv_heads, (kv.shape, self.num_kv_heads)

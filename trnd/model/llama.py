@@ -1,9 +1,10 @@
-"""Llama, Qwen3, Qwen3-MoE and GPT-OSS decoder (GQA, RoPE with Llama-3 or YaRN scaling, RMSNorm, SwiGLU or
-sparse MoE blocks, optional q/k norm, attention sinks and sliding-window layers).
+"""Llama, Qwen3, Qwen3-MoE, GPT-OSS and DeepSeek-V2/V3 decoder (GQA or MLA, RoPE with Llama-3 or YaRN scaling,
+RMSNorm, SwiGLU or sparse MoE blocks, optional q/k norm, attention sinks and sliding-window layers).
 
 One class serves all four: Qwen3 adds per-head RMSNorm on q and k before RoPE; Qwen3-MoE puts a sparse MoE block
 (trnd/model/moe.py) in place of the MLP of its sparse layers; GPT-OSS has biases on the attention's projections,
-a learned sink logit per head and every other layer attending a sliding window (its pages are all kept for now).
+a learned sink logit per head and every other layer attending a sliding window (its pages are all kept for now);
+DeepSeek has multi-head latent attention over a latent pool and routed + shared experts (trnd/model/deepseek.py).
 The forward takes a flat batch of tokens from many sequences (decode tokens first, then prefill
 chunks) and a paged KV pool; it returns logits only for the rows the caller will sample from.
 """
@@ -22,6 +23,7 @@ from trnd_kernels.attention import AttnMeta, PrefillSeq, chunk_attention
 from trnd_kernels.cpu import LINEAR_AMX_MIN_ROWS, MAX_PAGE
 from trnd_kernels.rotary import attention_factor, cos_sin, inv_freq
 from trnd.model.config import ModelConfig
+from trnd.model.deepseek import ROUTERS as DEEPSEEK_ROUTERS, DeepseekMoE, MLAttention
 from trnd.model.layers import LMHead, Linear, PackedLinear, RMSNorm, Source, VocabEmbedding, fp8_block, param
 from trnd.model.moe import SparseMoE
 from trnd.parallel import TPGroup
@@ -103,10 +105,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops, names=frozenset()):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops, names=frozenset(), prefix: str = "mlp.",
+                 intermediate_size: int | None = None):
+        """prefix, intermediate_size: another dense MLP of the layer (DeepSeek's shared experts)."""
         super().__init__()
-        i0, i1 = tp.split(cfg.intermediate_size, "intermediate_size")
-        p = f"model.layers.{layer}.mlp."
+        i0, i1 = tp.split(intermediate_size or cfg.intermediate_size, "intermediate_size")
+        p = f"model.layers.{layer}.{prefix}"
         self.gate_up = Linear(cfg.hidden_size, 2 * (i1 - i0),
                               [Source(p + "gate_proj.weight", 0, i0, i1), Source(p + "up_proj.weight", 0, i0, i1)],
                               cfg.dtype, tp, fp8=fp8_block(cfg, names, p + "gate_proj.weight"))
@@ -122,8 +126,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops, names=frozenset()):
         super().__init__()
         p = f"model.layers.{layer}."
-        self.attn = Attention(cfg, layer, tp, ops, names)
-        if cfg.moe is not None and cfg.moe.sparse(layer):
+        self.attn = (MLAttention if cfg.mla is not None else Attention)(cfg, layer, tp, ops, names)
+        if cfg.moe is not None and cfg.moe.sparse(layer) and cfg.moe.router in DEEPSEEK_ROUTERS:
+            m = cfg.moe
+            shared = MLP(cfg, layer, tp, ops, names, "mlp.shared_experts.", m.shared_intermediate_size) \
+                if m.shared_intermediate_size else None
+            self.mlp = DeepseekMoE(cfg, layer, tp, names, shared)
+        elif cfg.moe is not None and cfg.moe.sparse(layer):
             self.mlp = SparseMoE(cfg, layer, tp, ops, names)
         else:
             self.mlp = MLP(cfg, layer, tp, ops, names)
@@ -227,7 +236,7 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         if self.tp.size != 1:
             return f"tp = {self.tp.size}"
-        if cfg.moe is not None or cfg.attn_sinks or cfg.window_layers or cfg.quant is not None:
+        if cfg.moe is not None or cfg.mla is not None or cfg.attn_sinks or cfg.window_layers or cfg.quant is not None:
             return f"{cfg.arch}{' with quantized weights' if cfg.quant else ''}: layers it does not run"
         if why := kernels.decode_layers_refuses(cfg.dtype, cfg.hidden_size, cfg.head_dim,
                                                 cfg.intermediate_size):

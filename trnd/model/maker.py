@@ -48,9 +48,20 @@ PRESETS["small-moe"] = dict(PRESETS["small"], arch="qwen3_moe", num_experts=32, 
 # YaRN, attention sinks, biases, the clamped SwiGLU; widths multiples of 32 so MXFP4 groups fit a TP split of 2.
 PRESETS["tiny-gptoss"] = dict(PRESETS["tiny"], arch="gpt_oss", num_experts=8, num_experts_per_tok=2,
                               intermediate_size=64, sliding_window=8)
-ARCHS = ("qwen3", "llama", "qwen3_moe", "gpt_oss")
+# DeepSeek in miniature (MLA + routed and shared experts): a dense first layer (first_k_dense_replace), a latent of
+# 32 + a rope part of 8 per token and layer where the expanded form holds 4 heads x (24 + 16). tiny-mla is V2-Lite
+# shaped (no q_lora_rank, greedy routing); tiny-mla-v3 has V3's q_lora_rank, sigmoid group routing with a score
+# correction, routed_scaling_factor and YaRN with mscale_all_dim (the softmax scale's factor).
+PRESETS["tiny-mla"] = dict(PRESETS["tiny"], arch="deepseek_v2", num_hidden_layers=3, num_key_value_heads=4, head_dim=8,
+                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=32,
+                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+PRESETS["tiny-mla-v3"] = dict(PRESETS["tiny-mla"], arch="deepseek_v3", q_lora_rank=48)
+ARCHS = ("qwen3", "llama", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
 ARCH_CLASSES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "gpt_oss": "GptOssForCausalLM"}
+                "gpt_oss": "GptOssForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM"}
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+EXPERT_ARCHS = ("qwen3_moe", *DEEPSEEK)  # experts one tensor per projection (or fused: expert_layout)
 QUANTS = ("fp8", "mxfp4")
 FP8_BLOCK = [128, 128]
 LOGIT_STD = 2.0  # spread of the random model's logits, see random_weights
@@ -175,8 +186,12 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str | None = Non
         raise ValueError(f"quant: mxfp4 checkpoints are GPT-OSS's experts; {arch} has no such format (use fp8)")
     if quant == "fp8" and arch == "gpt_oss":
         raise ValueError("quant: fp8 is for qwen3, llama and qwen3_moe; GPT-OSS ships MXFP4 experts (use mxfp4)")
-    if expert_layout not in ("per_expert", "fused") or (expert_layout == "fused" and (arch != "qwen3_moe" or quant)):
-        raise ValueError(f"expert_layout: {expert_layout!r} is per_expert, or fused for an unquantized qwen3_moe")
+    if quant and arch in DEEPSEEK:
+        raise ValueError(f"quant: {arch} checkpoints are made unquantized (trnd reads no quantized MLA weights yet)")
+    if expert_layout not in ("per_expert", "fused") or (expert_layout == "fused" and
+                                                         (arch not in EXPERT_ARCHS or quant)):
+        raise ValueError(f"expert_layout: {expert_layout!r} is per_expert, or fused for an unquantized "
+                         f"{', '.join(EXPERT_ARCHS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -256,6 +271,21 @@ def make_config(preset: str, arch: str, tokenizer_size: int, dtype: str = "bfloa
                    router_aux_loss_coef=0.001, output_router_logits=False,
                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
+    elif arch in DEEPSEEK:
+        d = p["head_dim"]  # a dense preset in DeepSeek's architecture: nope and v of head_dim, rope of half
+        rope = p.get("qk_rope_head_dim", d // 2)
+        cfg.update(num_key_value_heads=p["num_attention_heads"], head_dim=rope, tie_word_embeddings=False,
+                   n_routed_experts=experts, num_experts_per_tok=top_k,
+                   moe_intermediate_size=p.get("moe_intermediate_size", p["intermediate_size"] // 4),
+                   n_shared_experts=1, first_k_dense_replace=1, moe_layer_freq=1, q_lora_rank=p.get("q_lora_rank"),
+                   kv_lora_rank=p.get("kv_lora_rank", 2 * d), qk_nope_head_dim=p.get("qk_nope_head_dim", d),
+                   qk_rope_head_dim=rope, v_head_dim=p.get("v_head_dim", d), rope_theta=10000.0, norm_topk_prob=False)
+        if arch == "deepseek_v2":
+            cfg.update(topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0)
+        else:
+            cfg.update(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
     elif arch == "llama":  # Llama-3.1 style, so the llama3 RoPE frequency-scaling path is exercised
         cfg.update(rope_theta=500000.0, tie_word_embeddings=False, mlp_bias=False, pretraining_tp=1,
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -282,11 +312,13 @@ def param_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        for x, rows in (("q", nq * d), ("k", nkv * d), ("v", nkv * d)):
+        if kind in DEEPSEEK:
+            shapes.update(_mla_shapes(cfg, p))
+        for x, rows in () if kind in DEEPSEEK else (("q", nq * d), ("k", nkv * d), ("v", nkv * d)):
             shapes[p + f"self_attn.{x}_proj.weight"] = (rows, h)
             if cfg["attention_bias"]:
                 shapes[p + f"self_attn.{x}_proj.bias"] = (rows,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, nq * d)
+        shapes[p + "self_attn.o_proj.weight"] = (h, nq * (cfg["v_head_dim"] if kind in DEEPSEEK else d))
         if cfg["attention_bias"]:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if kind in ("qwen3", "qwen3_moe"):
@@ -304,12 +336,19 @@ def param_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.experts.down_proj"] = (e, i, h)
             shapes[p + "mlp.experts.down_proj_bias"] = (e, h)
         elif n in sparse:
-            e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+            e, mi = cfg.get("num_experts") or cfg["n_routed_experts"], cfg["moe_intermediate_size"]
             shapes[p + "mlp.gate.weight"] = (e, h)
+            if kind == "deepseek_v3":
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (e,)
             for j in range(e):
                 shapes[p + f"mlp.experts.{j}.gate_proj.weight"] = (mi, h)
                 shapes[p + f"mlp.experts.{j}.up_proj.weight"] = (mi, h)
                 shapes[p + f"mlp.experts.{j}.down_proj.weight"] = (h, mi)
+            if kind in DEEPSEEK:
+                si = mi * cfg["n_shared_experts"]
+                shapes[p + "mlp.shared_experts.gate_proj.weight"] = (si, h)
+                shapes[p + "mlp.shared_experts.up_proj.weight"] = (si, h)
+                shapes[p + "mlp.shared_experts.down_proj.weight"] = (h, si)
         else:
             shapes[p + "mlp.gate_proj.weight"] = (i, h)
             shapes[p + "mlp.up_proj.weight"] = (i, h)
@@ -320,9 +359,23 @@ def param_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _mla_shapes(cfg: dict, p: str) -> dict[str, tuple[int, ...]]:
+    """DeepSeek's attention projections (q through a LoRA where q_lora_rank) and its two latent norms."""
+    h, nq, rank, rope = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    qk, q_lora, a = cfg["qk_nope_head_dim"] + rope, cfg.get("q_lora_rank"), p + "self_attn."
+    out = {a + "q_proj.weight": (nq * qk, h)} if not q_lora else {
+        a + "q_a_proj.weight": (q_lora, h), a + "q_a_layernorm.weight": (q_lora,),
+        a + "q_b_proj.weight": (nq * qk, q_lora)}
+    return out | {a + "kv_a_proj_with_mqa.weight": (rank + rope, h), a + "kv_a_layernorm.weight": (rank,),
+                  a + "kv_b_proj.weight": (nq * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), rank)}
+
+
 def _sparse_layers(cfg: dict) -> set[int]:
     if cfg["model_type"] == "gpt_oss":
         return set(range(cfg["num_hidden_layers"]))
+    if cfg["model_type"] in DEEPSEEK:
+        first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+        return {n for n in range(cfg["num_hidden_layers"]) if n >= first and n % freq == 0}
     if cfg["model_type"] != "qwen3_moe":
         return set()
     step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
@@ -337,9 +390,9 @@ def active_param_count(cfg: dict) -> int:
     """Parameters one token's forward reads: all but the experts it is not routed to."""
     total = param_count(cfg)
     kind = cfg["model_type"]
-    if kind not in ("qwen3_moe", "gpt_oss"):
+    if kind not in ("qwen3_moe", "gpt_oss", *DEEPSEEK):
         return total
-    e = cfg["num_local_experts"] if kind == "gpt_oss" else cfg["num_experts"]
+    e = cfg["num_local_experts"] if kind == "gpt_oss" else cfg.get("num_experts") or cfg["n_routed_experts"]
     h, i = cfg["hidden_size"], cfg["intermediate_size"] if kind == "gpt_oss" else cfg["moe_intermediate_size"]
     per_expert = 3 * h * i + (2 * i + h if kind == "gpt_oss" else 0)  # GPT-OSS: the expert's biases too
     return total - len(_sparse_layers(cfg)) * (e - cfg["num_experts_per_tok"]) * per_expert
@@ -368,7 +421,7 @@ def random_weights(cfg: dict, seed: int, dtype: torch.dtype,
     out = {}
     for name, shape in param_shapes(cfg).items():
         w = torch.randn(shape, generator=gen, dtype=torch.float32)
-        if name.endswith("sinks"):
+        if name.endswith(("sinks", "e_score_correction_bias")):
             pass
         elif name.endswith("bias"):
             w.mul_(0.1)
@@ -392,7 +445,7 @@ def random_weights(cfg: dict, seed: int, dtype: torch.dtype,
 def fuse_experts(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Qwen3-MoE's per-expert tensors as stacked experts.gate_up_proj [E, 2I, H] (gate rows then up rows) and
     experts.down_proj [E, H, I], the layout some transformers 5 versions write."""
-    out, e = {}, cfg["num_experts"]
+    out, e = {}, cfg.get("num_experts") or cfg["n_routed_experts"]
     for name, t in tensors.items():
         p, dot, rest = name.partition("mlp.experts.")
         if not dot:
@@ -513,7 +566,7 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-PRESET_NAMES = ("tiny", "small", "tiny-moe", "small-moe", "tiny-gptoss")
+PRESET_NAMES = ("tiny", "small", "tiny-moe", "small-moe", "tiny-gptoss", "tiny-mla", "tiny-mla-v3")
 log = logging.getLogger("trnd.model")
 
 

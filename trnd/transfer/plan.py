@@ -1,7 +1,10 @@
 """Which bytes of which source rank's page go to which destination rank's page.
 
 Within a page on one rank the layout is [layer, k|v, kv_head, slot, head_dim] (kernels/attention.py),
-so for every (layer, k|v) block one rank's heads are contiguous. A plan is made once per (source
+so for every (layer, k|v) block one rank's heads are contiguous. Any pool kind (model/config.py PoolKind) is
+[layer, part, head, slot, width]: `parts` blocks per layer (2 for K|V, 1 for MLA's latent + rope row) of `width`
+values per slot; a latent pool has one head that every rank holds (rank_heads (0, 1) each), so a plan copies it
+from the first source rank to every destination rank. A plan is made once per (source
 layout, destination layout) pair: for each destination rank and each of its heads, the first source
 rank that holds that head; runs of heads become one segment per (layer, k|v) block, and segments
 that are contiguous on both sides merge (equal layouts give one segment per page and rank pair).
@@ -22,6 +25,8 @@ class Layout:
     itemsize: int
     rank_heads: tuple[tuple[int, int], ...]  # [start, end) KV heads of each rank
     scale_bytes: int = 0  # fp8 pages: each head's block ends with its scale (kernels/fp8.py), moved with it
+    parts: int = 2  # blocks per layer: K and V; 1 for the latent pool (head_dim is then its row width)
+    kind: str = "gqa"  # the pool kind's name (model/config.py PoolKind): "gqa" or "latent"
 
     @property
     def head_bytes(self) -> int:  # one head's slots in one (layer, k|v) block, and its scale
@@ -29,12 +34,13 @@ class Layout:
 
     def page_bytes(self, rank: int) -> int:
         h0, h1 = self.rank_heads[rank]
-        return self.num_layers * 2 * (h1 - h0) * self.head_bytes
+        return self.num_layers * self.parts * (h1 - h0) * self.head_bytes
 
     def canonical(self) -> "Layout":
         """The same pages at tp=1, every KV head in one page: what an L3 store keeps, whatever the writer's TP."""
         heads = max(h1 for _, h1 in self.rank_heads)
-        return Layout(self.num_layers, self.page_size, self.head_dim, self.itemsize, ((0, heads),), self.scale_bytes)
+        return Layout(self.num_layers, self.page_size, self.head_dim, self.itemsize, ((0, heads),), self.scale_bytes,
+                      self.parts, self.kind)
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,8 @@ class Segment:
 
 
 def make_plan(src: Layout, dst: Layout) -> list[Segment]:
-    if (src.num_layers, src.page_size, src.head_dim, src.itemsize, src.scale_bytes) != (
-            dst.num_layers, dst.page_size, dst.head_dim, dst.itemsize, dst.scale_bytes):
+    if (src.num_layers, src.page_size, src.head_dim, src.itemsize, src.scale_bytes, src.parts, src.kind) != (
+            dst.num_layers, dst.page_size, dst.head_dim, dst.itemsize, dst.scale_bytes, dst.parts, dst.kind):
         raise ValueError("layouts differ in page shape: no byte-for-byte handoff is possible")
     src_heads = {h for h0, h1 in src.rank_heads for h in range(h0, h1)}
     dst_heads = {h for h0, h1 in dst.rank_heads for h in range(h0, h1)}
@@ -62,12 +68,12 @@ def make_plan(src: Layout, dst: Layout) -> list[Segment]:
     segs: list[Segment] = []
     for s, (d0, d1) in enumerate(dst.rank_heads):
         for layer in range(src.num_layers):
-            for kv in range(2):
+            for kv in range(src.parts):
                 for h in range(d0, d1):
                     r = owner[h]
                     s0 = src.rank_heads[r][0]
-                    src_block = (layer * 2 + kv) * (src.rank_heads[r][1] - s0) * hb
-                    dst_block = (layer * 2 + kv) * (d1 - d0) * hb
+                    src_block = (layer * src.parts + kv) * (src.rank_heads[r][1] - s0) * hb
+                    dst_block = (layer * src.parts + kv) * (d1 - d0) * hb
                     segs.append(Segment(r, s, src_block + (h - s0) * hb, dst_block + (h - d0) * hb, hb))
     return _merge(segs)
 

@@ -43,7 +43,7 @@ def _draft(cfg: SpeculativeConfig, engine, num_pages: int) -> DraftProposer:
                            f"({mc.vocab_size} vs {target.vocab_size} tokens, or another tokenizer.json)")
     model, mc = load_model(path, engine.cfg.dtype, TPGroup(0, 1), engine.cfg.backend,
                            prepack=engine.cfg.backend == "cpu")
-    kv = alloc_kv(mc, mc.num_kv_heads, num_pages, engine.cfg.page_size, device=engine.pools[0].device)
+    kv = alloc_kv(mc, mc.pool.heads, num_pages, engine.cfg.page_size, device=engine.pools[0].device)
     log.info("speculative decoding: draft model %s (%d layers, hidden %d), %d tokens, %d draft pages of %.1f KiB",
              path, mc.num_layers, mc.hidden_size, cfg.num_speculative_tokens, num_pages,
              kv[0].numel() * kv.element_size() / 1024)

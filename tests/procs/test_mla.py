@@ -1,0 +1,139 @@
+"""DeepSeek-V2/V3 (MLA + routed and shared experts) and the latent KV pool: greedy output token-identical to
+transformers in fp32, the pool's page the latent + rope row (one head, replicated under TP), moved unchanged by
+the L2 tier; unserved kinds refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trnd.config import StartupError
+from trnd.engine.request import SamplingParams
+from trnd.engine.runner import alloc_kv, kv_page_bytes
+from trnd.llm import LLM
+from trnd.model.config import ModelConfig
+from trnd.model.maker import make_model
+from trnd.transfer.plan import Layout, make_plan
+
+from tests.unit.test_engine_vs_hf import hf_greedy, prompts_of
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+LENGTHS = [5, 40, 17, 70]  # pages of 8: one, several (70 tokens: 9 pages)
+
+MODELS = {
+    "v2": dict(preset="tiny-mla", seed=3),  # V2-Lite shaped: q_proj, greedy routing, per-expert tensors
+    # V2's group-limited routing, the experts stacked as transformers 5 holds them, a dense layer between sparse ones
+    "v2-group-fused": dict(preset="tiny-mla", seed=5, expert_layout="fused", overrides={
+        "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5,
+        "num_hidden_layers": 3}),
+    # V3: q_lora_rank, sigmoid group routing with a score correction, YaRN with mscale_all_dim
+    "v3": dict(preset="tiny-mla-v3", seed=4),
+}
+
+
+def _make(models_dir, name):
+    path = models_dir / f"mla-{name}"
+    if not path.exists():
+        make_model(path, dtype="float32", **MODELS[name])
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_mla(models_dir):
+    return _make(models_dir, "v2")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_matches_transformers(models_dir, name):
+    """Several prompts in one batch, chunked prefill (expanded form) and decode (absorbed form) through the engine."""
+    model = _make(models_dir, name)
+    prompts_ = prompts_of(LENGTHS, 1000, seed=len(name))
+    expected = hf_greedy(model, prompts_, GREEDY.max_tokens)
+    llm = LLM(str(model), page_size=8, num_pages=128, chunk_size=24, token_budget=64)
+    got = [c.token_ids for c in llm.generate(prompts_, GREEDY)]
+    assert got == expected
+    assert llm.engine.check_integrity()["in_use"] == 0
+
+
+def test_the_latent_pool_holds_one_row_per_token_and_layer(tiny_mla):
+    """[page, layer, 1 part, 1 head, slot, kv_lora_rank + qk_rope_head_dim]: a fraction of the expanded K|V."""
+    mc = ModelConfig.from_dir(tiny_mla, "float32")
+    m, pool = mc.mla, mc.pool
+    assert (pool.name, pool.parts, pool.heads, pool.width) == ("latent", 1, 1, m.kv_lora_rank + m.qk_rope_head_dim)
+    kv = alloc_kv(mc, 1, 4, 8)
+    assert kv.shape == (4, mc.num_layers, 1, 1, 8, 40)
+    assert kv_page_bytes(mc, 1, 8) == kv[0].numel() * 4
+    expanded = mc.num_layers * mc.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 4
+    assert pool.bytes_per_token(mc.num_layers, 4) * 4 == expanded  # 40 values a layer against 4 x (24 + 16)
+
+
+def test_a_tp_plan_copies_the_replicated_latent_from_one_rank():
+    lay = lambda ranks: Layout(3, 8, 40, 4, ((0, 1),) * ranks, 0, 1, "latent")  # noqa: E731
+    page = 3 * 8 * 40 * 4
+    assert lay(2).page_bytes(1) == page and lay(2).canonical() == lay(1)
+    plan = make_plan(lay(2), lay(1))  # two ranks' identical copies: one is read
+    assert [(g.src_rank, g.dst_rank, g.length) for g in plan] == [(0, 0, page)]
+    plan = make_plan(lay(1), lay(2))  # every destination rank gets the whole latent
+    assert [(g.src_rank, g.dst_rank, g.length) for g in plan] == [(0, 0, page), (0, 1, page)]
+    gqa = Layout(3, 8, 40, 4, ((0, 1),), 0)
+    with pytest.raises(ValueError, match="page shape"):
+        make_plan(gqa, lay(1))
+
+
+def test_tp2_shards_the_heads_and_replicates_the_latent(tiny_mla):
+    """Query/output heads and kv_b_proj split over 2 ranks, each rank's latent pool the same bytes as the other's."""
+    ps = prompts_of([40, 70], 1000, seed=8)
+    expected = hf_greedy(tiny_mla, ps, GREEDY.max_tokens)
+    llm = LLM(str(tiny_mla), page_size=8, num_pages=64, tp=2)
+    try:
+        assert [c.token_ids for c in llm.generate(ps, GREEDY)] == expected
+        pools = llm.engine.pools
+        assert pools[0].shape == pools[1].shape and pools[0].shape[2:4] == (1, 1)
+        assert torch.equal(pools[0], pools[1])
+    finally:
+        llm.engine.close()
+
+
+def test_latent_pages_come_back_from_the_host_tier(tiny_mla):
+    """Evicted latent pages stored in L2 and loaded back on a revisit: the same output as a pool that kept them."""
+    g = torch.Generator().manual_seed(0)
+    hist = [torch.randint(5, 1000, (96,), generator=g).tolist() for _ in range(3)]
+    turns = [h + [7, 7] for h in hist] + [h + [9] for h in hist]
+
+    def run(**kw):
+        llm = LLM(str(tiny_mla), page_size=8, max_batch=1, **kw)
+        outs = [llm.generate([p], GREEDY)[0].token_ids for p in turns]
+        llm.engine.check_integrity()
+        return outs, llm.engine
+
+    big, _ = run(num_pages=256)
+    tiered, e = run(num_pages=16, host_cache_gb=0.01)  # holds one history (13 pages), not three
+    assert tiered == big
+    assert e.stats.loaded_tokens >= 3 * 88
+    host = e.state().tiers.host
+    assert host.loaded > 0 and host.stored > 0
+
+
+def test_fp8_latent_pages_are_refused_naming_the_setting(tiny_mla):
+    with pytest.raises(StartupError, match="kv_cache_dtype = 'fp8_e4m3' is not served for MLA"):
+        LLM(str(tiny_mla), page_size=8, num_pages=8, kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM"])
+def test_an_unserved_attention_kind_is_one_line_at_start(tiny_qwen3, tmp_path, arch):
+    model = tmp_path / "next"
+    shutil.copytree(tiny_qwen3, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"architectures": [arch]}))
+    out = subprocess.run([sys.executable, "-m", "trnd", "serve", "--aggregated", "--model", str(model)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 78 and "Traceback" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "model error" in ln]
+    assert len(lines) == 1 and arch in lines[0] and "linear attention" in lines[0], out.stderr
