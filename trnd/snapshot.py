@@ -43,6 +43,7 @@ class Pages(_S):
     page_bytes: int | None = None  # one page on one rank, as stored (fp8: values + scales)
     kv_dtype: str | None = None  # the pool's element type (float8_e4m3fn, bfloat16, ...)
     token_capacity: int | None = None  # total * page_size: what the pool holds at its page_bytes
+    kind: str | None = None  # the pool kind (model/config.py PoolKind): "gqa" (K|V per KV head), "latent" (MLA)
 
 
 class Radix(_S):

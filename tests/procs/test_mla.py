@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3 (MLA + routed and shared experts) and the latent KV pool: greedy output token-identical to
 transformers in fp32, the pool's page the latent + rope row (one head, replicated under TP), moved unchanged by
-the L2 tier; unserved kinds refused in one line."""
+the PD handoff (digests checked) and the L2 tier; the contract names the pool; unserved kinds refused in one line."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import httpx
+import msgspec
 import pytest
 import torch
 
@@ -18,8 +20,12 @@ from trnd.engine.runner import alloc_kv, kv_page_bytes
 from trnd.llm import LLM
 from trnd.model.config import ModelConfig
 from trnd.model.maker import make_model
+from trnd.roles.common import pool_spec
+from trnd.transfer import protocol as wire
 from trnd.transfer.plan import Layout, make_plan
 
+from tests.launch import admin_state, wait_for
+from tests.procs.test_disagg import Deployment, aggregated, prompts
 from tests.unit.test_engine_vs_hf import hf_greedy, prompts_of
 
 transformers = pytest.importorskip("transformers")
@@ -121,6 +127,25 @@ def test_latent_pages_come_back_from_the_host_tier(tiny_mla):
     assert host.loaded > 0 and host.stored > 0
 
 
+def test_manifest_names_the_pool_and_a_mismatch_names_its_field(tiny_mla, tiny_qwen3):
+    def layout(model) -> Layout:
+        llm = LLM(str(model), page_size=8, num_pages=4, prefix_cache=False)
+        return llm.engine.layout
+
+    mla, gqa = pool_spec(layout(tiny_mla), "float32"), pool_spec(layout(tiny_qwen3), "float32")
+    assert (mla.kind, mla.layout, mla.bytes_per_token) == ("latent", [3, 1, 1, 8, 40], 3 * 40 * 4)
+    assert (gqa.kind, gqa.layout) == ("gqa", [2, 2, 2, 8, 16])
+    base = wire.Manifest(role="prefill", model_name="m", model_fingerprint="f", dtype="float32", num_layers=3,
+                         num_kv_heads=4, head_dim=8, page_size=8, point="8k", max_context=8192, max_batch=8, tp=1,
+                         rank_heads=[(0, 1)], page_bytes=3 * 40 * 8 * 4, pools=[mla])
+    assert wire.mismatch(base, msgspec.structs.replace(base, role="decode")) is None
+    wider = msgspec.structs.replace(mla, layout=[3, 1, 1, 8, 48], bytes_per_token=3 * 48 * 4)
+    assert wire.mismatch(base, msgspec.structs.replace(base, role="decode", pools=[wider])) == \
+        "pools[latent].layout: prefill has [3, 1, 1, 8, 40], decode has [3, 1, 1, 8, 48]"
+    assert wire.mismatch(base, msgspec.structs.replace(base, role="decode", pools=[gqa])) == \
+        "pools: prefill has ['latent'], decode has ['gqa']"
+
+
 def test_fp8_latent_pages_are_refused_naming_the_setting(tiny_mla):
     with pytest.raises(StartupError, match="kv_cache_dtype = 'fp8_e4m3' is not served for MLA"):
         LLM(str(tiny_mla), page_size=8, num_pages=8, kv_cache_dtype="fp8_e4m3")
@@ -137,3 +162,26 @@ def test_an_unserved_attention_kind_is_one_line_at_start(tiny_qwen3, tmp_path, a
     assert out.returncode == 78 and "Traceback" not in out.stderr
     lines = [ln for ln in out.stderr.splitlines() if "model error" in ln]
     assert len(lines) == 1 and arch in lines[0] and "linear attention" in lines[0], out.stderr
+
+
+@pytest.mark.slow
+def test_latent_pages_cross_the_pd_handoff_byte_for_byte(tiny_mla, tmp_path):
+    """trnd prefill + trnd decode on loopback: the latent pages go over NIXL, decode checks the digest of what
+    landed against prefill's, and the text is the aggregated engine's."""
+    secret = tmp_path / "secret"
+    secret.write_text("test-secret-0123456789")
+    ps = prompts([9, 300], seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = aggregated(tiny_mla, ps, params)
+    d = Deployment(tiny_mla, secret)
+    try:
+        got = [d.complete(p, max_tokens=8) for p in ps]
+        assert [g["choices"][0]["text"] for g in got] == expected
+        r = httpx.get(f"http://127.0.0.1:{d.port}/admin/requests/{got[1]['id']}", timeout=10).json()
+        trail = [p["what"] for t in r["traces"] for p in t["phases"]]
+        assert any(w.startswith("KV digest verified") for w in trail), trail
+        st = admin_state(d.port)
+        assert st["transfers"]["digest_failures"] == 0 and st["transfers"]["kv_pages_received"] > 0
+        assert wait_for(d.baseline_ok)
+    finally:
+        d.close()

@@ -13,7 +13,7 @@ from trnd.engine.engine import Engine
 from trnd.model.config import ModelConfig, fingerprint
 from trnd.points import Capacity, DecodePoint, capacity, check_positions, get_point
 from trnd.transfer.plan import Layout
-from trnd.transfer.protocol import Manifest
+from trnd.transfer.protocol import Manifest, PoolSpec
 
 log = logging.getLogger("trnd.role")
 
@@ -49,7 +49,7 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None, bind_
     why = check_positions(point, mc.max_position_embeddings, mc.rope_scaling)
     if why is not None:  # positions the model was never configured for are not served silently
         raise StartupError(why)
-    h0, h1 = TPGroup(0, knobs.tp).kv_heads(mc.num_kv_heads)
+    h0, h1 = TPGroup(0, knobs.tp).kv_heads(mc.pool.heads)
     page_bytes = kv_page_bytes(mc, h1 - h0, point.page_size, knobs.kv_cache_dtype)
     num_pages = int(knobs.kv_memory_gb * 2**30) // page_bytes
     need = point.pool_pages_needed() + static  # the static path's scratch page is never handed out
@@ -89,12 +89,24 @@ def manifest(engine: Engine, point: DecodePoint, role: str, model_name: str, spe
                     point=point.name, max_context=point.max_context, max_batch=point.max_batch, tp=engine.tp.size,
                     rank_heads=list(engine.layout.rank_heads), page_bytes=engine.runner.page_bytes,
                     kv_cache_dtype=engine.cfg.kv_cache_dtype, transfer_backend=engine.cfg.transfer_backend,
-                    speculative_config={} if speculative is None else speculative.contract())
+                    speculative_config={} if speculative is None else speculative.contract(),
+                    pools=[pool_spec(engine.layout, engine.runner.kv_dtype)])
+
+
+def pool_spec(lay: Layout, dtype: str) -> PoolSpec:
+    """The pool's kind in the contract: its page as [layer, part, head, slot, width] (all heads: the canonical
+    page), its dtype, and the bytes one token takes in it (values, fp8 scales aside)."""
+    c = lay.canonical()
+    heads = c.rank_heads[0][1]
+    return PoolSpec(kind=lay.kind, dtype=dtype, layout=[lay.num_layers, lay.parts, heads, lay.page_size, lay.head_dim],
+                    bytes_per_token=lay.num_layers * lay.parts * heads * lay.head_dim * lay.itemsize)
 
 
 def layout_from(m: Manifest) -> Layout:
     scale_bytes = 0 if m.kv_cache_dtype == "auto" else SCALE_BYTES  # fp8 blocks end with their scale
-    blocks = m.num_layers * 2 * (m.rank_heads[0][1] - m.rank_heads[0][0])
-    itemsize = (m.page_bytes // blocks - scale_bytes) // (m.page_size * m.head_dim)
-    return Layout(m.num_layers, m.page_size, m.head_dim, itemsize, tuple(tuple(h) for h in m.rank_heads),
-                  scale_bytes)
+    pool = m.pools[0] if m.pools else None  # a manifest from before pool kinds: K|V of num_kv_heads x head_dim
+    parts, width, kind = (pool.layout[1], pool.layout[4], pool.kind) if pool else (2, m.head_dim, "gqa")
+    blocks = m.num_layers * parts * (m.rank_heads[0][1] - m.rank_heads[0][0])
+    itemsize = (m.page_bytes // blocks - scale_bytes) // (m.page_size * width)
+    return Layout(m.num_layers, m.page_size, width, itemsize, tuple(tuple(h) for h in m.rank_heads),
+                  scale_bytes, parts, kind)

@@ -71,7 +71,7 @@ class StoreClient(Links):
         self.manifest = store_wire.StoreManifest(namespace=namespace, dtype=dtype, num_layers=local.num_layers,
                                         num_kv_heads=num_heads, head_dim=local.head_dim, page_size=local.page_size,
                                         itemsize=local.itemsize, page_bytes=self.page_bytes,
-                                        scale_bytes=local.scale_bytes)
+                                        scale_bytes=local.scale_bytes, parts=local.parts, kind=local.kind)
         self._rows = []  # each rank's pool as [page, bytes]
         for r, p in enumerate(pools):
             rows = p.view(torch.uint8).reshape(p.shape[0], -1)

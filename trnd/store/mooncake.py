@@ -92,7 +92,7 @@ class MooncakeTier:
         self.write_plan = make_plan(local, self.canonical)
         self._rows = [p.view(torch.uint8).reshape(p.shape[0], -1) for p in pools]
         geometry = (f"{dtype}.L{local.num_layers}.H{num_heads}.D{local.head_dim}.P{local.page_size}"
-                    f".B{local.itemsize}.S{local.scale_bytes}")
+                    f".B{local.itemsize}.S{local.scale_bytes}" + ("" if local.kind == "gqa" else f".{local.kind}"))
         model = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
         self.prefix = f"trnd/{model}/{geometry}/"
         self.addr = remote.master

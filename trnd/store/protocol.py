@@ -63,21 +63,26 @@ class StoreManifest(msgspec.Struct, frozen=True, kw_only=True):
     head_dim: int
     page_size: int
     itemsize: int
-    page_bytes: int  # one canonical page: num_layers * 2 * num_kv_heads * (page_size * head_dim * itemsize + scale_bytes)
+    page_bytes: int  # one canonical page: num_layers * parts * num_kv_heads * (page_size * head_dim * itemsize + scale_bytes)
     scale_bytes: int = 0  # fp8 pages: each (layer, k|v, head) block ends with its fp32 scale (kernels/fp8.py)
+    # the pool kind (transfer/plan.py Layout): K|V blocks (2) of num_kv_heads x head_dim, or MLA's latent (1 part,
+    # 1 head, head_dim = kv_lora_rank + qk_rope_head_dim)
+    parts: int = 2
+    kind: str = "gqa"
 
     def key_space(self) -> str:
         """The store's namespace for this client: equal only for the same hashes AND the same bytes."""
         return (f"{self.namespace}|{self.dtype}|L{self.num_layers}|H{self.num_kv_heads}|D{self.head_dim}"
-                f"|P{self.page_size}|B{self.itemsize}" + (f"|S{self.scale_bytes}" if self.scale_bytes else ""))
+                f"|P{self.page_size}|B{self.itemsize}" + (f"|S{self.scale_bytes}" if self.scale_bytes else "")
+                + ("" if self.kind == "gqa" else f"|{self.kind}{self.parts}"))
 
     def geometry_error(self) -> str | None:
-        want = self.num_layers * 2 * self.num_kv_heads * (self.page_size * self.head_dim * self.itemsize
-                                                          + self.scale_bytes)
+        want = self.num_layers * self.parts * self.num_kv_heads * (self.page_size * self.head_dim * self.itemsize
+                                                                   + self.scale_bytes)
         if self.page_bytes != want or want <= 0:
-            return (f"page_bytes: client says {self.page_bytes}, its geometry (layers {self.num_layers}, kv heads "
-                    f"{self.num_kv_heads}, page_size {self.page_size}, head_dim {self.head_dim}, itemsize "
-                    f"{self.itemsize}, scale_bytes {self.scale_bytes}) makes {want}")
+            return (f"page_bytes: client says {self.page_bytes}, its geometry ({self.kind} pool of {self.parts} "
+                    f"parts, layers {self.num_layers}, kv heads {self.num_kv_heads}, page_size {self.page_size}, "
+                    f"head_dim {self.head_dim}, itemsize {self.itemsize}, scale_bytes {self.scale_bytes}) makes {want}")
         return None
 
 

@@ -33,6 +33,14 @@ MAX_HANDSHAKE_FRAME = 64 * 2**10  # a Hello is ~2 KB (NIXL's agent metadata is ~
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
+class PoolSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One KV pool of a role (model/config.py PoolKind; roles/common.py pool_spec): both roles must hold the same."""
+    kind: str  # "gqa" (K|V per KV head) or "latent" (MLA: one latent + rope row, replicated on every rank)
+    dtype: str  # the pages' dtype (fp8 formats included)
+    layout: list[int]  # the canonical page (every head) as [layers, parts, heads, page_size, width]
+    bytes_per_token: int  # one token in every layer of the canonical page (values; fp8 scales aside)
+
+
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     """What a role is: the handshake compares every field that must agree between prefill and decode."""
     protocol_version: int = PROTOCOL_VERSION
@@ -55,15 +63,33 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     # SpeculativeConfig.contract() ({}: off): a decode server drafting with a config its prefill peer was not
     # started with is refused, naming the field (the pair's acceptance must be the aggregated one's)
     speculative_config: dict[str, str | int | None] = msgspec.field(default_factory=dict)
+    pools: list[PoolSpec] = msgspec.field(default_factory=list)  # the KV pools, one per kind (today one)
 
 
 # Fields that must be equal on both sides, in the order they are reported.
 MUST_MATCH = ("protocol_version", "model_fingerprint", "point", "dtype", "kv_cache_dtype", "transfer_backend",
-              "num_layers", "num_kv_heads", "head_dim", "page_size", "max_context", "max_batch", "speculative_config")
+              "pools", "num_layers", "num_kv_heads", "head_dim", "page_size", "max_context", "max_batch",
+              "speculative_config")
+
+
+def pools_mismatch(a: Manifest, b: Manifest) -> str | None:
+    """The first pool field that differs, as pools[KIND].FIELD with both sides' values."""
+    kinds = [p.kind for p in a.pools], [p.kind for p in b.pools]
+    if kinds[0] != kinds[1]:
+        return f"pools: {a.role} has {kinds[0]!r}, {b.role} has {kinds[1]!r}"
+    for x, y in zip(a.pools, b.pools):
+        for f in x.__struct_fields__:
+            if getattr(x, f) != getattr(y, f):
+                return f"pools[{x.kind}].{f}: {a.role} has {getattr(x, f)!r}, {b.role} has {getattr(y, f)!r}"
+    return None
 
 
 def mismatch(a: Manifest, b: Manifest) -> str | None:
     for f in MUST_MATCH:
+        if f == "pools":
+            if why := pools_mismatch(a, b):
+                return why
+            continue
         if f == "speculative_config" and a.speculative_config and b.speculative_config:
             for key in sorted(set(a.speculative_config) | set(b.speculative_config)):
                 x, y = a.speculative_config.get(key), b.speculative_config.get(key)
