@@ -8,6 +8,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from trnd.log import journal_prefix
 from trnd.procs import EX_CONFIG, EX_UNAVAILABLE
 
 
@@ -305,6 +306,16 @@ def _reexec_with_huge_pages(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command, with Ctrl-C before a role installs its own handlers (loading, making a preset) an exit
+    status of 130 and one line, never a traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(f"{journal_prefix(4)}trnd: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command line, not a caller in this process (tests): may re-exec
         _reexec_with_huge_pages(sys.argv[1:])
     argv = sys.argv[1:] if argv is None else argv
@@ -328,7 +339,6 @@ def main(argv: list[str] | None = None) -> int:
     from trnd.backends import BackendUnavailable
     from trnd.config import ConfigError, StartupError
     from trnd.model.config import ModelError
-    from trnd.log import journal_prefix
     from trnd.procs import PortError
 
     try:

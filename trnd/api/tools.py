@@ -1,4 +1,4 @@
-"""Tool calls in model text: the `hermes` parser (Qwen2.5/Qwen3: `<tool_call>{"name", "arguments"}</tool_call>`)
+r"""Tool calls in model text: the `hermes` parser (Qwen2.5/Qwen3: `<tool_call>{"name", "arguments"}</tool_call>`)
 and `llama3_json` (`{"name", "parameters"}` objects, `;`-separated, optionally after `<|python_tag|>`),
 both incremental, so streaming and non-streaming replies come from the same code and agree.
 

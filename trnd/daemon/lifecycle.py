@@ -128,7 +128,7 @@ class Lifecycle:
         self._stops += 1
         notify.stopping(f"stopped by {name} while loading")
         log.info("%s while loading: exiting", name)
-        raise SystemExit(0)
+        raise SystemExit(130 if signum == signal.SIGINT else 0)  # Ctrl-C's status, as a shell reports it
 
     def _hup_while_loading(self, signum, frame) -> None:
         log.warning("SIGHUP while loading: ignored (reload once the server is ready)")
