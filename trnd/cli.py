@@ -362,7 +362,7 @@ def _main(argv: list[str] | None = None) -> int:
                     cfg.resolved_secret()
                 except (OSError, ValueError) as e:
                     raise ConfigError(str(e).replace("\n", " ")) from None
-            setup_logging(cfg.log_level)
+            setup_logging(cfg.log_level, args.cmd)
             run = {"prefill": prefill.run, "decode": decode.run, "router": router.run}.get(args.cmd)
             if run is None:
                 run = local.run if isinstance(cfg, LocalConfig) else serve.run

@@ -99,6 +99,7 @@ class HostTier(_S):
 class StoreLink(_S):
     """One L3 store as its client sees it."""
     addr: str = "?"
+    admin: str | None = None  # the store's admin URL (its /admin/state), as Peer.admin
     healthy: bool = False
     connected: bool = False
     store_id: str | None = None
@@ -299,6 +300,9 @@ class Peer(_S):
     max_model_len: int | None = None
     kv_events: str | None = None  # a decode's prefill peer: where that peer publishes its KV events
     kv_events_replay: str | None = None
+    # where the peer's own /admin/state answers (a prefill's admin port, a router target's API port): `trnd
+    # top` given the front port follows it to every node of the deployment
+    admin: str | None = None
 
 
 class Routing(_S):

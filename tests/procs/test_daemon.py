@@ -235,12 +235,17 @@ def test_the_one_line_is_at_error_priority_when_stderr_is_the_journal(tmp_path):
 
 
 def test_role_config_without_its_credential_exits_78(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+    """Under systemd ($CREDENTIALS_DIRECTORY set) without the unit's credential: one line naming it. (Outside
+    systemd the same config uses this host's own secret: tests/procs/test_dropin_cli.py.)"""
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    env = {**os.environ, "CREDENTIALS_DIRECTORY": str(creds), "TRND_CACHE_DIR": str(tmp_path / "cache")}
     r = subprocess.run(exec_start("prefill", ROOT / "configs/prefill.toml"), capture_output=True, text=True,
                        timeout=60, cwd=ROOT, env=env)
     assert r.returncode == 78
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "trnd_control_secret" in lines[0], r.stderr
+    assert not (tmp_path / "cache" / "control_secret").exists()
 
 
 @pytest.mark.slow

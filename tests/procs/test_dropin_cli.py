@@ -134,3 +134,34 @@ def test_transfer_counters_read_as_numbers():
 
     assert fmt_counter("post_ms", 24.529749000180345) == "24.5"
     assert fmt_counter("bytes", 6.3 * 2**20) == "6.3 MiB" and fmt_counter("xfers", 31) == "31"
+
+
+def test_the_shipped_role_configs_start_outside_systemd(tiny_qwen3, tmp_path):
+    """README: `trnd prefill --config configs/prefill.toml` and `trnd decode --config configs/decode.toml` by hand.
+    Their secret_file is systemd's credential; without systemd both roles share this host's secret, which the
+    first makes 0600 beside trnd's state."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRND_CACHE_DIR": str(tmp_path)}
+    env.pop("CREDENTIALS_DIRECTORY", None)
+    control, admin, port = free_port(), free_port(), free_port()
+    common = ["--model", str(tiny_qwen3), "--threads", "1", "--kv-memory-gb", "0.1"]
+    prefill = subprocess.Popen([sys.executable, "-m", "trnd", "prefill", "--config", str(repo / "configs/prefill.toml"),
+                                "--control-port", str(control), "--admin-port", str(admin), *common],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    decode = subprocess.Popen([sys.executable, "-m", "trnd", "decode", "--config", str(repo / "configs/decode.toml"),
+                               "--prefill", f"127.0.0.1:{control}", "--port", str(port), *common],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_ready(port, decode)
+        secret = tmp_path / "control_secret"
+        assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) == 64
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hello", "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        out = stop(decode) + stop(prefill)
+    assert "Traceback" not in out and " ERROR " not in out, out
+    # a variable other than systemd's that is not set: one line naming the field and the two ways out
+    r = trnd("prefill", "--model", str(tiny_qwen3), "--secret-file", "${NO_SUCH_DIR}/secret", env=env)
+    assert r.returncode == 78 and len(r.stderr.strip().splitlines()) == 1
+    assert "secret_file" in r.stderr and "NO_SUCH_DIR is not set" in r.stderr, r.stderr

@@ -74,7 +74,9 @@ def test_an_absent_or_refusing_peer_is_a_few_lines_and_roles_stop_without_a_trac
         assert wait_for(lines_about, timeout=60), decode.text()  # the first failed attempt is logged
         time.sleep(12)  # ~7 more attempts to reach the absent prefill server, and still 1-3 lines about it
         about = lines_about()
-        assert 1 <= len(about) <= 3 and "ERROR" in about[0] and "unreachable" in about[0], decode.text()
+        # a peer that never answered, within the start-up grace: info, not an error on every healthy start
+        assert 1 <= len(about) <= 3 and "unreachable" in about[0] and "not up yet" in about[0], decode.text()
+        assert not [ln for ln in about if "ERROR" in ln], decode.text()
         prefill = Output(start_role("prefill", tiny_qwen3, secret, control_port=ctrl, admin_port=admin))
         outs.append(prefill)
         try:
@@ -149,3 +151,21 @@ def test_a_megabyte_string_is_cut_in_the_log():
         line = _Formatter(journal).format(rec)
         assert len(line) < MAX_MESSAGE_CHARS + 200 and line.endswith(f"(message cut: {len(big) + 22} characters)")
     assert len(_short(big)) < 200 and _short("alice") == "alice" and _short(None) is None
+
+
+def test_a_peer_not_up_yet_at_start_is_info_until_its_grace_ends(caplog):
+    """A deployment's roles come up together: the first failures to reach a peer that never answered are info
+    lines while the grace lasts, the first one after it an error; once it answered, failures are errors."""
+    log = logging.getLogger("test.grace")
+    f = Failures(log, "prefill p", grace_s=120.0)
+    t0 = f.grace_until - 120.0
+    with caplog.at_level(logging.DEBUG, logger="test.grace"):
+        for t in range(0, 30):
+            f.failed("unreachable: refused", now=t0 + t)
+        f.failed("unreachable: refused", now=t0 + 121.0)
+        assert f.recovered(now=t0 + 122.0) is not None
+        f.failed("unreachable: refused", now=t0 + 123.0)
+    got = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert got[0] == ("INFO", "prefill p: unreachable: refused (not up yet: retrying)")
+    assert all(level == "INFO" for level, _ in got[:-2])
+    assert got[-2] == ("ERROR", "prefill p: unreachable: refused") and got[-1][0] == "ERROR"

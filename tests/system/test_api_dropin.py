@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -373,3 +375,14 @@ def test_metrics_counters_are_counters_with_no_created_series(server, client, mo
     for line in text.splitlines():
         if line.startswith("# TYPE ") and line.split()[2].endswith("_total"):
             assert line.split()[3] == "counter", line
+
+
+def test_the_deployment_from_its_front_port(server):
+    """/admin/state names the prefill peer's admin URL; `trnd top` on the front port shows both processes."""
+    state = httpx.get(f"{server.url}/admin/state").json()
+    admin = state["peers"][0]["admin"]
+    assert admin and httpx.get(f"{admin}/admin/state").json()["role"] == "prefill"
+    top = subprocess.run([sys.executable, "-m", "trnd", "top", "--once", server.url], capture_output=True, text=True,
+                         timeout=60)
+    assert top.returncode == 0, top.stdout + top.stderr
+    assert server.url.split("://")[1] in top.stdout and admin.split("://")[1] in top.stdout, top.stdout

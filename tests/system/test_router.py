@@ -290,6 +290,12 @@ def test_serve_prefill_2_decode_2_sessions_and_failover(tiny_qwen3):
                 pass
             assert time.monotonic() < deadline, "the deployment never became healthy"
             time.sleep(0.5)
+        # the whole deployment from its front port: the router names its decode servers, they their prefills
+        top = subprocess.run([sys.executable, "-m", "trnd", "top", "--once", f"http://127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=60)
+        assert top.returncode == 0, top.stdout + top.stderr
+        for name, (_, node_port) in pids.items():
+            assert f"127.0.0.1:{node_port}" in top.stdout, (name, top.stdout)
         c = client(port)
         history = [{"role": "system", "content": "You are a terse assistant. " * 8}]
         seen = []

@@ -8,6 +8,7 @@ and the flat names TOML, flags and reload speak, each filed into its part (flat,
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -146,7 +147,15 @@ KEY_FIELDS = ("api_key", "target_api_key", "secret")
 def read_key_file(field: str, path: str) -> bytes:
     """A key or secret file's content, stripped; fails closed: a file that is missing, unreadable or empty
     is a ConfigError naming the field (at start: exit 78; on reload: the running key is kept). An API key
-    must be text (it travels in a header); a control-plane secret may be any bytes."""
+    must be text (it travels in a header); a control-plane secret may be any bytes. A secret_file under
+    $CREDENTIALS_DIRECTORY (the shipped configs: systemd's LoadCredential=) started outside systemd is this
+    host's own secret (host_secret_file)."""
+    if field == "secret_file" and "CREDENTIALS_DIRECTORY" in path and not os.environ.get("CREDENTIALS_DIRECTORY"):
+        path = str(host_secret_file())
+    unset = sorted(set(re.findall(r"\$\{?(\w+)", path)) - set(os.environ))
+    if unset:
+        raise ConfigError(f"{field} = {path!r}: ${unset[0]} is not set; set {field} to a file holding the key, or "
+                          f"set {unset[0]} - at `$.{field}`")
     try:
         data = Path(os.path.expandvars(path)).read_bytes().strip()
         if "api_key" in field:
@@ -160,6 +169,32 @@ def read_key_file(field: str, path: str) -> bytes:
         raise ConfigError(f"{field} = {path!r} is empty: a key file must hold the key (unset {field} to run "
                           f"without one) - at `$.{field}`")
     return data
+
+
+def host_secret_file() -> Path:
+    """The control-plane secret of the roles started on this host outside systemd: one file beside trnd's
+    other state ($TRND_CACHE_DIR, else ~/.cache/trnd, as model/maker.py's cache_dir), made 0600 with a random
+    secret by the first role that needs it, so a prefill and a decode server started by hand find the same.
+    Roles on other hosts need a copy of it (or a secret_file of their own, the same on every host)."""
+    path = Path(os.environ.get("TRND_CACHE_DIR") or Path.home() / ".cache" / "trnd") / "control_secret"
+    if not path.exists():
+        import logging
+        import secrets
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        try:
+            os.link(tmp, path)  # whole or not at all: another role never reads it half written
+        except FileExistsError:  # another role made it first: theirs
+            return path
+        finally:
+            tmp.unlink()
+        logging.getLogger("trnd.config").info("created this host's control-plane secret %s (0600): a prefill and "
+                                              "a decode server started here share it", path)
+    return path
 
 
 def check_files(cfg) -> None:

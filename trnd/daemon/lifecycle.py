@@ -371,7 +371,7 @@ class Lifecycle:
         if "log_level" in live:
             from trnd.log import setup_logging
 
-            setup_logging(merged.log_level)
+            setup_logging(merged.log_level, self.role)
         if self.loop is not None and "max_requests" in live:
             self.loop.max_requests = now["max_requests"]
         if commit is not None:

@@ -24,7 +24,8 @@ from trnd.config import DecodeConfig
 from trnd.engine import trace
 from trnd.engine.loop import EngineLoop, Unavailable
 from trnd.engine.request import Req
-from trnd.log import Failures
+from trnd.http.ids import admin_url
+from trnd.log import PEER_START_GRACE_S, Failures
 from trnd.procs import dial
 from trnd.roles.common import build_engine, layout_from, manifest, point_capacity
 from trnd.roles.inbox import FromPrefill, Inbox, PeerLink
@@ -58,10 +59,11 @@ class PrefillPeer:
     error: str | None = None
     connects: int = 0
     kv_events: tuple[str | None, str | None] = (None, None)  # its KV events' endpoints (Welcome): for a router
+    admin: str | None = None  # its /admin/state URL, from the welcome (trnd top follows it)
     failures: Failures = field(init=False)  # what the operator reads of a peer that stays away
 
     def __post_init__(self):
-        self.failures = Failures(log, f"prefill {self.addr}")
+        self.failures = Failures(log, f"prefill {self.addr}", grace_s=PEER_START_GRACE_S)
 
 
 def local_prefill_tokens(cfg: DecodeConfig) -> int:
@@ -142,9 +144,10 @@ class DecodeServer:
         def failed(e: BaseException) -> None:
             peer.error = str(e) or e.__class__.__name__
             if not peer.healthy:  # connecting or handshaking: bounded lines however long it lasts
-                if not isinstance(e, Refusal):
+                refused = isinstance(e, Refusal)
+                if not refused:
                     peer.refused = None
-                peer.failures.failed(peer.error if isinstance(e, Refusal) else f"unreachable: {peer.error}")
+                peer.failures.failed(peer.error if refused else f"unreachable: {peer.error}", absent=not refused)
 
         def lost() -> None:
             if peer.healthy or peer.chan is not None:
@@ -179,6 +182,7 @@ class DecodeServer:
         name = await self.loop.run_on_loop(lambda: self._handshaked(peer, reply.agent_meta))
         peer.chan, peer.agent_name, peer.manifest = chan, name, reply.manifest
         peer.kv_events = (reply.kv_events, reply.kv_events_replay)
+        peer.admin = admin_url(peer.addr, reply.admin_port)
         peer.plan = make_plan(layout_from(reply.manifest), self.layout)
         peer.refused, peer.error = None, None
         peer.healthy, peer.last_seen = True, time.monotonic()
@@ -345,7 +349,7 @@ class DecodeServer:
             "peers": [S.Peer(addr=p.addr, kind="prefill", healthy=p.healthy, agent=p.agent_name,
                              outstanding=self.inbox.outstanding(p.addr), load=p.load, refused=p.refused,
                              error=p.error, connects=p.connects, kv_events=p.kv_events[0],
-                             kv_events_replay=p.kv_events[1],
+                             kv_events_replay=p.kv_events[1], admin=p.admin,
                              last_seen_s=round(now - p.last_seen, 2) if p.last_seen else None) for p in self.peers],
         }
 

@@ -32,6 +32,7 @@ import msgspec
 from trnd.tuning import SHARED_CORES_SPINCOUNT, omp_set_by_operator
 from trnd.config import ConfigError, LocalConfig
 from trnd.daemon import notify
+from trnd.log import ROLE_ENV
 from trnd.procs import EX_CONFIG, bind_port, die_with_parent, free_port
 
 log = logging.getLogger("trnd.local")
@@ -210,7 +211,10 @@ def run(cfg: LocalConfig, reload_source=None) -> int:
             c.pinged = time.monotonic()
             # -P: the working directory stays off the child's sys.path, so a `trnd/` folder there (a checkout
             # beside an installed trnd) is never what the child imports
-            c.proc = subprocess.Popen([sys.executable, "-P", "-m", "trnd", c.role, "--config", str(c.config)], env=env,
+            # Its own session: a terminal's Ctrl-C reaches this supervisor only, which drains the deployment
+            # in order (the front, then decode, then prefill) instead of every child stopping at once.
+            c.proc = subprocess.Popen([sys.executable, "-P", "-m", "trnd", c.role, "--config", str(c.config)],
+                                      env={**env, ROLE_ENV: c.name}, start_new_session=True,
                                       preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
         for c in children:
@@ -240,8 +244,16 @@ def run(cfg: LocalConfig, reload_source=None) -> int:
         def forward(signum, _frame):
             nonlocal stopping, reload_at, reload_since
             if signum in (signal.SIGTERM, signal.SIGINT):
+                if stopping:  # a second one: every child stops now, without waiting for requests
+                    log.warning("%s again: stopping every role now", signal.Signals(signum).name)
+                    for c in children:
+                        if c.proc.poll() is None:
+                            c.proc.send_signal(signum)
+                    return
                 # The front drains first; the servers behind it keep serving until it is done.
                 stopping = True
+                log.info("%s: draining the deployment (the front first; again to stop at once)",
+                         signal.Signals(signum).name)
                 notify.stopping("draining")
                 if front.proc.poll() is None:
                     front.proc.send_signal(signum)

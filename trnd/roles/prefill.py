@@ -54,6 +54,7 @@ class Peer:
 class PrefillServer:
     def __init__(self, cfg: PrefillConfig, model_dir, model_name: str):
         self.cfg = cfg
+        self.admin_port: int | None = None  # set once bound (run): told to decode servers in the welcome
         self.secret = cfg.resolved_secret()
         # UCX listens where decode servers reach this role
         self.engine, self.point = build_engine(model_dir, cfg, role="prefill", secret=self.secret,
@@ -148,7 +149,8 @@ class PrefillServer:
         try:
             ev = self.engine.kv_events.publisher if self.engine.kv_events is not None else None
             await chan.send(wire.Welcome(self.manifest, self.agent.name, self.agent.metadata(), challenge,
-                                         ev.endpoint if ev else None, ev.replay_endpoint if ev else None))
+                                         ev.endpoint if ev else None, ev.replay_endpoint if ev else None,
+                                         self.admin_port))
 
             failures = self._refusals.pop(str(addr[0]) if addr else "?", None)
             log.info("decode server %s connected (agent %s, tp=%d)%s", addr, agent_name, hello.manifest.tp,
@@ -390,6 +392,7 @@ def run(cfg: PrefillConfig, reload_source=None) -> int:
     from trnd.daemon.lifecycle import Lifecycle
     from trnd.engine.warmup import warm_up
     from trnd.roles.runtime import http_server, run_async
+    from trnd.model.hub import served_name
     from trnd.model.maker import resolve_model
     from trnd.procs import bind_port
 
@@ -401,9 +404,10 @@ def run(cfg: PrefillConfig, reload_source=None) -> int:
     admin_sock = bind_port(cfg.http.host, cfg.http.admin_port, "admin_port")
     with Lifecycle("prefill", cfg, reload_source) as life:
         model_dir = resolve_model(cfg.model)
-        name = model_dir.resolve().name
+        name = served_name(model_dir)
         life.status(f"loading {model_dir}")
         server = PrefillServer(cfg, model_dir, name)
+        server.admin_port = admin_sock.getsockname()[1]
         try:
             life.status("warming up")
             log.info("warm-up took %.2f s", warm_up(server.engine, max_tokens=1))

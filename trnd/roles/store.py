@@ -104,6 +104,7 @@ def run(cfg: StoreConfig, reload_source=None) -> int:
         life.status(f"registering {cfg.memory_gb:g} GiB with NIXL")
         try:
             server = StoreServer(cfg)
+            server.admin_port = admin_sock.getsockname()[1]
         except (RuntimeError, MemoryError) as e:  # the region cannot be had (or registered)
             print(f"{journal_prefix(3)}trnd: cannot start: memory_gb = {cfg.memory_gb:g}: {e}", file=sys.stderr)
             return EX_CONFIG
@@ -162,5 +163,5 @@ def run_args(args: argparse.Namespace) -> int:
         raise ConfigError(str(e).replace("\n", " ")) from None
     from trnd.log import setup_logging
 
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, "store")
     return run(cfg, reload_source=load)

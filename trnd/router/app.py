@@ -411,7 +411,7 @@ def router_state(st: RouterState) -> snapshot.State:
         model=next((t.model for t in st.targets.all if t.model), None),
         routing=snapshot.Routing(**st.routed, retries=st.retries, failovers=st.failovers,
                                  prefix_entries=len(st.index.map)),
-        peers=[snapshot.Peer(kind="decode", addr=t.addr, healthy=t.healthy, point=t.point,
+        peers=[snapshot.Peer(kind="decode", addr=t.addr, admin=t.url, healthy=t.healthy, point=t.point,
                              max_model_len=t.max_model_len, outstanding=t.in_flight, requests=t.requests,
                              sessions=sessions.get(t.addr, 0), error=t.error,
                              last_seen_s=round(now - t.last_ok, 2) if t.last_ok else None) for t in st.targets.all])

@@ -37,6 +37,7 @@ from collections import deque
 import torch
 
 from trnd.backends.omp import single_threaded
+from trnd.http.ids import admin_url
 from trnd.store import protocol as store_wire
 from trnd.store.index import HAVE
 from trnd.store.links import Links, Store, StoreDown
@@ -132,7 +133,8 @@ class StoreClient(Links):
         fenced = len(self.inflight.fenced())
         now = time.monotonic()
         return {
-            "stores": [{"addr": s.addr, "healthy": s.healthy and now >= s.slow_until,
+            "stores": [{"addr": s.addr, "admin": admin_url(s.addr, s.welcome.admin_port if s.welcome else None),
+                        "healthy": s.healthy and now >= s.slow_until,
                         "connected": s.healthy, "store_id": s.welcome.store_id if s.welcome else None,
                         "slots": s.welcome.num_slots if s.welcome else None, "error": s.error,
                         "refused": s.refused, "connects": s.connects, "restarts": s.restarts,

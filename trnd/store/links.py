@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from trnd.aio import reconnect, within
-from trnd.log import Failures
+from trnd.log import PEER_START_GRACE_S, Failures
 from trnd.procs import dial
 from trnd.store import protocol as store_wire
 
@@ -45,7 +45,7 @@ class Store:
          "timeouts", "errors", "corrupt"), 0))
 
     def __post_init__(self):
-        self.failures = Failures(log, f"store {self.addr}")
+        self.failures = Failures(log, f"store {self.addr}", grace_s=PEER_START_GRACE_S)
 
 
 class Links:
@@ -53,7 +53,7 @@ class Links:
         def failed(e: BaseException) -> None:
             s.error = str(e) or e.__class__.__name__
             if not s.healthy:  # connecting or handshaking (a loss once connected is _lost's line)
-                s.failures.failed(s.error if s.refused else f"unreachable: {s.error}")
+                s.failures.failed(s.error if s.refused else f"unreachable: {s.error}", absent=not s.refused)
 
         await reconnect(lambda: self._connect(s), lambda: self._serve(s), failed, lambda: self._lost(s))
 

@@ -102,6 +102,7 @@ class StoreWelcome(msgspec.Struct, tag=True):
     num_slots: int
     lease_s: float
     nonce: bytes
+    admin_port: int | None = None  # the store's admin HTTP port (/admin/state), on the host the client dialed
 
 
 class Lookup(msgspec.Struct, tag=True):

@@ -66,6 +66,7 @@ class StoreServer:
 
         bind_for(cfg.http.host)
         self.cfg = cfg
+        self.admin_port: int | None = None  # set once bound (roles/store.py): told to clients in the welcome
         self.secret = cfg.resolved_secret()
         self.memory_bytes = int(cfg.memory_gb * 2**30)
         # torch.empty: the OS commits the region's pages as slots are first written, not now.
@@ -162,7 +163,7 @@ class StoreServer:
         try:
             await chan.send(store_wire.StoreWelcome(self.store_id, self.agent.name, self.agent.metadata(),
                                                     self.agent.bases[0], self.slot_bytes, self.index.num_slots,
-                                                    self.cfg.lease_s, challenge))
+                                                    self.cfg.lease_s, challenge, self.admin_port))
         except (ConnectionError, OSError):
             chan.close()
             return

@@ -7,7 +7,7 @@ import os
 import asyncio
 import sys
 
-from trnd.top.client import CONFIG_DIR, Target, poll_all, resolve_targets
+from trnd.top.client import CONFIG_DIR, Target, follow, poll_all, resolve_targets
 from trnd.top.fmt import fmt_bytes, fmt_duration, fmt_rate, integrity_text, layout_text
 from trnd.top.model import NodeTrack, sort_rows
 
@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
     p.add_argument("--once", action="store_true", help="print one plain-text snapshot of every target and exit "
                                                        "(exit status 1 if any is unreachable)")
+    p.add_argument("--no-follow", dest="follow", action="store_false",
+                   help="watch only the targets given, not the nodes they name (a front port's prefill peers, "
+                        "decode servers, stores)")
     p.add_argument("--config-dir", default=CONFIG_DIR, help=argparse.SUPPRESS)
     p.add_argument("--theme", help="Textual theme, e.g. textual-light")
     return p
@@ -35,6 +38,8 @@ def main(argv: list[str]) -> int:
     targets = resolve_targets(args.targets, args.api_key or os.environ.get("TRND_API_KEY"), args.config_dir)
     from trnd.top.app import TopApp, poll_timeout
 
+    if args.follow:
+        targets = follow(targets, poll_timeout(args.interval))
     if args.once:
         return once(targets, poll_timeout(args.interval))
     app = TopApp(targets, interval=args.interval)

@@ -90,6 +90,35 @@ def resolve_targets(specs: list[str], api_key: str | None = None, config_dir: st
     return list(seen.values())
 
 
+def follow(targets: list[Target], timeout: float = 2.0, limit: int = 64) -> list[Target]:
+    """The targets and every node they name in /admin/state (a decode server's prefill peers, a router's decode
+    servers, a role's L3 stores: their `admin` URLs), breadth first, each once: `trnd top` on a deployment's
+    front port shows all of it. A target that does not answer stays in the list (its panel says why)."""
+    out = {t.label: t for t in targets}
+    queue = list(targets)
+    with httpx.Client(timeout=timeout) as http:
+        while queue and len(out) < limit:
+            t = queue.pop(0)
+            if t.uds:
+                continue
+            try:
+                r = http.get(f"{t.url}/admin/state",
+                             headers={"Authorization": f"Bearer {t.api_key}"} if t.api_key else {})
+                state = S.decode(r.content) if r.status_code == 200 else None
+            except (httpx.HTTPError, msgspec.DecodeError):
+                state = None
+            if state is None:
+                continue
+            remote = state.tiers.remote if state.tiers is not None else None
+            urls = [p.admin for p in state.peers or []] + [s.admin for s in (remote.stores if remote else [])]
+            for url in urls:
+                if url and url.split("://", 1)[-1] not in out:
+                    node = parse_target(url, t.api_key)
+                    out[node.label] = node
+                    queue.append(node)
+    return list(out.values())
+
+
 def _error_message(r: httpx.Response) -> str:
     try:
         msg = r.json()["error"]["message"]

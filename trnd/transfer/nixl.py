@@ -98,7 +98,10 @@ def _nixl_agent(name: str, backend: str = "ucx"):
     os.environ.setdefault("UCX_MODULES", UCX_MODULES_DEFAULT)  # read when UCX loads, with the first agent
     import nixl._api as api
 
+    from trnd.log import adopt_nixl_logging
     from trnd.transfer.backends import nixl_name, prepare
+
+    adopt_nixl_logging()  # its import configured its own handler and format: ours instead
 
     prepare(backend)  # a backend that cannot load: BackendUnavailable, one line
 

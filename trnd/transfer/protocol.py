@@ -129,6 +129,7 @@ class Welcome(msgspec.Struct, tag=True):
     # prefill's KV events (trnd/events), so a router reading decode's /admin/state can route the prefill leg
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    admin_port: int | None = None  # the prefill's admin HTTP port (/admin/state), on the host decode dialed
 
 
 class Refused(msgspec.Struct, tag=True):
