@@ -165,3 +165,27 @@ def test_the_shipped_role_configs_start_outside_systemd(tiny_qwen3, tmp_path):
     r = trnd("prefill", "--model", str(tiny_qwen3), "--secret-file", "${NO_SUCH_DIR}/secret", env=env)
     assert r.returncode == 78 and len(r.stderr.strip().splitlines()) == 1
     assert "secret_file" in r.stderr and "NO_SUCH_DIR is not set" in r.stderr, r.stderr
+
+
+def test_a_point_the_model_or_memory_cannot_serve_is_refused_once_before_any_child(tiny_qwen3):
+    """Each role refused such a point in turn, after the supervisor printed its children: now one line first."""
+    for args, said in ((["--point", "1m"], "point '1m' serves max_context = 1048576"),
+                       (["--kv-memory-gb", "0.0001"], "point '8k' needs")):
+        r = trnd("serve", "--model", str(tiny_qwen3), "--port", str(free_port()), *args, timeout=120)
+        out = r.stdout + r.stderr
+        assert r.returncode == 78 and out.count(said) == 1, out
+        assert "local deployment" not in out and "Traceback" not in out, out  # no child was started
+
+
+def test_a_capped_point_is_said_at_start_and_on_v1_models(tiny_qwen3):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trnd", "serve", "--model", str(tiny_qwen3), "--port", str(port),
+                             "--max-model-len", "4096", "--kv-memory-gb", "0.1", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_ready(port, proc)
+        card = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]
+        assert card["max_model_len"] == 4096 and card["point"] == "8k" and card["capacity"]["max_batch"] == 32, card
+    finally:
+        out = stop(proc)
+    assert "point 8k capped: max_model_len 4096 of its max_context 8192" in out, out

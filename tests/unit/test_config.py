@@ -67,6 +67,7 @@ def test_log_level_is_case_blind():
     ({"aggregated": True, "compile_cache": "/x"}, "compile_cache"),  # a point's graphs
     ({"page_size": 32}, "page_size"),  # the point fixes a local deployment's shapes
     ({"max_batch": 8}, "max_batch"),
+    ({"max_model_len": 9000}, "max_model_len"),  # past the point's max_context (8192)
 ])
 def test_trnd_serve_refuses_what_its_mode_cannot_apply(given, field):
     with pytest.raises(ConfigError, match=rf"^{field}.* - at `\$.{field}`$"):

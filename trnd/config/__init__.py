@@ -87,6 +87,14 @@ class PointFront(FrontBase, kw_only=True):
     def __post_init__(self):
         check_point(self.point)
         super().__post_init__()
+        if self.max_model_len is not None:
+            from trnd.points import get_point
+
+            most = get_point(self.point).max_context
+            if self.max_model_len > most:  # the engine would serve the larger length the point never promised
+                raise invalid("max_model_len", f"max_model_len = {self.max_model_len} is beyond decode point "
+                                               f"{self.point!r}'s max_context = {most}: pick a larger point "
+                                               "(trnd points), or a smaller max_model_len")
 
 
 class ServeConfig(FrontBase, kw_only=True):

@@ -41,11 +41,36 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None, bind_
         compile_cache.use(knobs.compile_cache)
         compiler = cache.compiler
     static = knobs.static or cache is not None
-    dtype, _ = resolve_dtype(knobs.dtype, knobs.backend)  # the pool's page bytes follow the computed dtype
-    mc = ModelConfig.from_dir(model_dir, dtype)
+    num_pages = point_pool(point, model_dir, knobs, static)
+    engine = Engine(build(EngineConfig.from_role(model_dir, knobs, cfg.tiers, role=role, point=point,
+                                                 num_pages=num_pages, max_model_len=max_model_len, secret=secret,
+                                                 compiler=compiler)))
+    log.info(point_capacity(engine, point).line())
+    if max_model_len is not None and max_model_len < point.max_context:
+        log.info("point %s capped: max_model_len %d of its max_context %d", point.name, max_model_len,
+                 point.max_context)
+    if static and cache is None:
+        log.info("static path without a compile cache: each bucket is compiled on its first use (`trnd compile` "
+                 "builds them ahead; compile_cache loads them)")
+    if cache is not None:
+        try:
+            compile_cache.load(engine, point, knobs.compile_cache, cache)
+        except BaseException:
+            engine.close()
+            raise
+    return engine, point
+
+
+def point_pool(point: DecodePoint, model_dir: Path, knobs, static: bool) -> int:
+    """The pages of a pool under `point` on one rank (knobs: a role's EngineKnobs: dtype, backend, tp,
+    kv_cache_dtype, kv_memory_gb). StartupError, one line, when the model is not configured for the point's
+    max context (max_position_embeddings, or its rope scaling) or one max-context sequence does not fit:
+    `trnd serve` asks before any child starts (in either mode), and each role again."""
     from trnd.engine.runner import kv_page_bytes
     from trnd.parallel import TPGroup
 
+    dtype, _ = resolve_dtype(knobs.dtype, knobs.backend)  # the pool's page bytes follow the computed dtype
+    mc = ModelConfig.from_dir(model_dir, dtype)
     why = check_positions(point, mc.max_position_embeddings, mc.rope_scaling)
     if why is not None:  # positions the model was never configured for are not served silently
         raise StartupError(why)
@@ -58,20 +83,7 @@ def build_engine(model_dir: Path, cfg, *, role: str, secret: bytes | None, bind_
             f"point {point.name!r} needs {need} pages of {point.page_size} tokens for one {point.max_context}-token "
             f"sequence ({need * page_bytes / 2**20:.1f} MiB per rank), but kv_memory_gb = {knobs.kv_memory_gb} holds "
             f"only {num_pages}: raise kv_memory_gb or pick a smaller point")
-    engine = Engine(build(EngineConfig.from_role(model_dir, knobs, cfg.tiers, role=role, point=point,
-                                                 num_pages=num_pages, max_model_len=max_model_len, secret=secret,
-                                                 compiler=compiler)))
-    log.info(point_capacity(engine, point).line())
-    if static and cache is None:
-        log.info("static path without a compile cache: each bucket is compiled on its first use (`trnd compile` "
-                 "builds them ahead; compile_cache loads them)")
-    if cache is not None:
-        try:
-            compile_cache.load(engine, point, knobs.compile_cache, cache)
-        except BaseException:
-            engine.close()
-            raise
-    return engine, point
+    return num_pages
 
 
 def point_capacity(engine: Engine, point: DecodePoint) -> Capacity:

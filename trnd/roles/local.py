@@ -186,11 +186,15 @@ def run(cfg: LocalConfig, reload_source=None) -> int:
     ready stops it with the child's exit status; after that a dead child is restarted."""
     from trnd.model.config import ModelConfig
     from trnd.model.maker import resolve_model
+    from trnd.points import get_point
+    from trnd.roles.common import point_pool
     from trnd.transfer.backends import prepare
 
     prepare(cfg.engine.transfer_backend)  # one line here, not one per child
     model = str(resolve_model(cfg.model))
     ModelConfig.from_dir(model)  # a bad model is one line here, not one per child
+    # so is a point this model or this memory cannot serve (each role would refuse it in turn)
+    point_pool(get_point(cfg.point), Path(model), cfg.engine, cfg.engine.static or cfg.engine.compile_cache is not None)
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
     if not omp_set_by_operator() and not cfg.deploy.share_cores:
         # the roles compute on this node's cores at once: a short spin (trnd/tuning.py); taking turns
