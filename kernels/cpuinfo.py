@@ -126,8 +126,8 @@ def onednn_fp32_prepack() -> bool:
     """fp32 linears go through oneDNN's prepacked matmul, not F.linear: on AMD CPUs, where the BLAS that torch's
     F.linear calls for fp32 (MKL) is slow at decode's few rows. AMD EPYC Zen 3, weights 2304x768, 768x768,
     6144x768, 768x3072 and 32000x768 summed (2 threads): 1 row 11.5 -> 6.6 ms, 4 rows 41.5 -> 16.1, 16 rows
-    61.7 -> 27.8, 512 rows (no 32000x768) 145.5 -> 131.8 (docs/RESULTS.md, "Serving on an AVX2-only AMD EPYC
-    (Zen 3)"). Not measured on Intel, where MKL is at home: F.linear stays there. Tried once."""
+    61.7 -> 27.8, 512 rows (no 32000x768) 145.5 -> 131.8 (docs/RESULTS-history.md, "Serving on an AVX2-only
+    AMD EPYC (Zen 3)"). Not measured on Intel, where MKL is at home: F.linear stays there. Tried once."""
     import torch
 
     return vendor() == "AuthenticAMD" and _onednn_prepack_runs(torch.float32)

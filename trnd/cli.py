@@ -392,7 +392,9 @@ def _main(argv: list[str] | None = None) -> int:
         if args.cmd == "bench":
             import importlib
 
-            return importlib.import_module(f"trnd.bench.{args.bench_cmd.replace('-', '_')}").main(args)
+            # `report` is current.py (report.py renders serve-compare's own section)
+            module = {"report": "current"}.get(args.bench_cmd, args.bench_cmd.replace("-", "_"))
+            return importlib.import_module(f"trnd.bench.{module}").main(args)
     except ConfigError as e:
         print(f"{journal_prefix(3)}trnd: config error: {e}", file=sys.stderr)
         return EX_CONFIG

@@ -33,6 +33,14 @@ def add_bench_parser(sub) -> None:
     e.add_argument("--floor-rounds", type=int, default=0, metavar="N",
                    help="then N rounds of (read bandwidth, batch-1 decode step) back to back in one process: the "
                         "step against the bandwidth floor per round, and the median ratio")
+    from trnd.bench import current
+
+    e.add_argument("--save-floor", default=current.SAVE_DEFAULT, metavar="DIR",
+                   help="with --floor-rounds: save the median ratio there (default docs/results, what `trnd bench "
+                        "report` reads); '' for none")
+    rep = bsub.add_parser("report", help="the current tables at the top of docs/RESULTS.md, one per CPU class, "
+                                         "from the saved runs (docs/results/*.json)")
+    current.add_arguments(rep)
     d = bsub.add_parser("disagg", help="NIXL throughput vs memcpy; TTFT disaggregated vs aggregated, pipelining "
                                        "on and off")
     d.add_argument("--model", default="small", help="model dir or preset (default small)")

@@ -8,7 +8,7 @@
 The three servers are up at once and take the same prompt in turn (the order rotating each repetition), so a
 host whose speed drifts by 15-25% over minutes (these shared 2-core machines) slows all three alike: measured one
 after the other, the servers differed by a "fixed gap" of 100-450 ms that was that drift. An idle server costs the
-busy one nothing measurable (docs/RESULTS.md, "The pair's TTFT gap, explained").
+busy one nothing measurable (docs/RESULTS-history.md, "The pair's TTFT gap, explained").
 """
 
 from __future__ import annotations

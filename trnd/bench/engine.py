@@ -12,7 +12,9 @@ import multiprocessing as mp
 import os
 import resource
 import statistics
+import sys
 import time
+from pathlib import Path
 from trnd.bench import cpu_line
 
 DECODE_PROMPT = 64
@@ -252,4 +254,15 @@ def main(args) -> int:
             print(f"{i:>6}{gbs:>8.1f}{fl * 1e3:>10.2f}{step_s * 1e3:>9.2f}{ratios[-1]:>11.2f}x")
         print(f"median step/floor {statistics.median(ratios):.2f}x (best {min(ratios):.2f}x, worst "
               f"{max(ratios):.2f}x)")
+        if args.save_floor:
+            from trnd.bench import current
+            from trnd.bench.report import machine_facts
+
+            facts = machine_facts()
+            path = current.save_run({
+                "kind": "floor", "facts": {k: facts[k] for k in ("cpu", "date", "nproc", "mem_gib", "kernel")},
+                "ratio": round(statistics.median(ratios), 3), "rounds": [round(r, 3) for r in ratios],
+                "dtype": args.dtype, "commit": current.commit_of(), "command": " ".join(["trnd", *sys.argv[1:]])},
+                Path(args.save_floor))
+            print(f"saved {path} (trnd bench report puts it in docs/RESULTS.md)")
     return 0

@@ -24,9 +24,10 @@ from pathlib import Path
 
 
 
+from trnd.bench import current
 from trnd.bench.profile import profile
 from trnd.bench.report import DEFAULT_SERVERS, SECTION, SERVERS, fmt, machine_facts, peer_versions, print_table, rows_of, section, write_section
-from trnd.bench.servers import WRAPPER, Ctx, LoadSampler, bench_cmd, make_server, peer_python, run_bench, shown
+from trnd.bench.servers import WRAPPER, Ctx, LoadSampler, bench_cmd, make_server, peer_dtype, peer_python, run_bench, shown
 
 RESULTS_MD = Path(__file__).resolve().parents[2] / "docs" / "RESULTS.md"
 
@@ -52,6 +53,9 @@ def add_arguments(p) -> None:
     p.add_argument("--profile-s", type=float, default=10.0,
                    help="py-spy seconds on trnd's decode-step process under max concurrency (0: no profile)")
     p.add_argument("--out-dir", help="where the JSON results, server logs and profiles go (default: a new temp dir)")
+    p.add_argument("--save-run", default=current.SAVE_DEFAULT, metavar="DIR",
+                   help="save this run's figures there (default docs/results, what `trnd bench report` reads); '' "
+                        "for none")
     p.add_argument("--results-md", default=str(RESULTS_MD),
                    help=f"markdown file whose '{SECTION[3:]}' section is replaced (default: the checkout's "
                         "docs/RESULTS.md; '' to skip)")
@@ -195,5 +199,13 @@ def main(args) -> int:
     if args.results_md:
         write_section(Path(args.results_md), section(ctx, facts, results, profiles, info))
         print(f"\nwrote section '{SECTION[3:]}' of {args.results_md}")
+    if args.save_run:  # the saved run, and the current tables at the top of the page made from the saved runs
+        saved = current.save_run({"facts": facts, "info": {k: info[k] for k in ("peer", "torch", "rounds", "trnd",
+                                                                                "errors")},
+                                  "rows": rows_of(results), "commit": current.commit_of(), "dtype": peer_dtype(),
+                                  "command": " ".join(["trnd", *sys.argv[1:]])}, Path(args.save_run))
+        print(f"saved {saved}")
+        if args.results_md:
+            current.write(Path(args.results_md), current.block(current.load_runs(Path(args.save_run))))
     ok = not info["errors"] and all(not r["problems"] for r in rows_of(results))
     return 0 if ok else 1
