@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3 (MLA + routed and shared experts) and the latent KV pool: greedy output token-identical to
 transformers in fp32, the pool's page the latent + rope row (one head, replicated under TP), moved unchanged by
-the PD handoff (digests checked) and the L2 tier; the contract names the pool; unserved kinds refused in one line."""
+the PD handoff (digests checked), the L2 tier and an L3 store; the contract names the pool; unserved kinds refused in one line."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from trnd.roles.common import pool_spec
 from trnd.transfer import protocol as wire
 from trnd.transfer.plan import Layout, make_plan
 
-from tests.launch import admin_state, wait_for
+from tests.launch import admin_state, start_store, stop, wait_for
 from tests.procs.test_disagg import Deployment, aggregated, prompts
 from tests.unit.test_engine_vs_hf import hf_greedy, prompts_of
 
@@ -185,3 +185,37 @@ def test_latent_pages_cross_the_pd_handoff_byte_for_byte(tiny_mla, tmp_path):
         assert wait_for(d.baseline_ok)
     finally:
         d.close()
+
+
+@pytest.mark.slow
+def test_latent_pages_cross_an_l3_store_from_tp2_to_tp1(tiny_mla, tmp_path):
+    """A tp=2 engine writes a conversation's latent pages to a real `trnd store` (one canonical copy of the
+    replicated latent); a cold tp=1 engine loads them for the next turn and decodes what transformers does."""
+    secret = tmp_path / "secret"
+    secret.write_text("l3-secret-0123456789")
+    store, cp, _ = start_store(secret)
+    kw = dict(page_size=8, num_pages=128, store=[f"127.0.0.1:{cp}"], store_secret=secret.read_bytes().strip())
+
+    def connected(llm) -> bool:
+        return wait_for(lambda: all(s["connected"] for s in llm.engine.tiers.remote.state()["stores"]), timeout=20)
+
+    history = prompts_of([96], 1000, seed=11)[0]
+    a = LLM(str(tiny_mla), tp=2, **kw)
+    try:
+        assert connected(a)
+        first = a.generate([history], GREEDY)[0]
+        written = lambda: (a.engine.tiers.poll(), a.engine.tiers.remote_written)[1]  # noqa: E731
+        assert wait_for(lambda: written() >= 12, timeout=30)  # the 13 pages' full ones, when turn 1 finished
+    finally:
+        a.engine.close()
+    turn = history + first.token_ids + [5, 6, 7]
+    expected = hf_greedy(tiny_mla, [turn], GREEDY.max_tokens)[0]
+    b = LLM(str(tiny_mla), **kw)
+    try:
+        assert connected(b)
+        got = b.generate([turn], GREEDY)[0]
+        assert got.token_ids == expected
+        assert b.engine.stats.loaded_tokens >= 96
+    finally:
+        b.engine.close()
+        stop(store)
