@@ -49,6 +49,9 @@ def _engine_flags(p) -> None:
     field there and a flag here."""
     _compute_flags(p)
     p.add_argument("--tp", type=int, help="tensor-parallel degree: ranks (processes) sharding the model (default 1)")
+    p.add_argument("--ep", type=int, help="expert parallelism: a MoE model's experts split into EP groups of the tp "
+                                          "ranks, whole experts each (divides --tp; default 1: a slice of every "
+                                          "expert on every rank)")
     p.add_argument("--threads", type=int, help="torch intra-op threads per rank (default: all cores)")
     p.add_argument("--kv-memory-gb", type=float, help="memory for the KV page pool, per rank (default 1.0)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,

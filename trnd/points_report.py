@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="small", help="model dir or preset (default small)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel groups of the tp ranks (MoE models; the KV "
+                                                     "per rank does not depend on it)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                     help="KV page format (fp8: about half the bytes per token, scales included)")
     ap.add_argument("--kv-memory-gb", type=float, default=1.0, help="the role's pool budget per rank (default 1)")
@@ -65,12 +67,17 @@ def main(argv: list[str] | None = None) -> int:
 
     model = resolve_model(args.model, say=lambda msg: print(f"trnd: {msg}", file=sys.stderr))
     dtype = resolve_dtype(args.dtype)[0] or "the checkpoint's"
-    print(f"model {model}, dtype {dtype}, kv_cache_dtype {args.kv_cache_dtype}, tp {args.tp}, kv_memory_gb {args.kv_memory_gb} per rank; this machine: "
+    print(f"model {model}, dtype {dtype}, kv_cache_dtype {args.kv_cache_dtype}, tp {args.tp}, ep {args.ep}, kv_memory_gb {args.kv_memory_gb} per rank; this machine: "
           f"{os.cpu_count()} cores, {_mem_gib('MemTotal'):.1f} GiB RAM, {_mem_gib('MemAvailable'):.1f} GiB available")
     from trnd.model.config import ModelConfig
     from trnd.model.size import model_size
 
-    print(f"weights: {ModelConfig.from_dir(model).arch}, {model_size(model).line()} (split over the ranks)")
+    mc, size = ModelConfig.from_dir(model), model_size(model)
+    print(f"weights: {mc.arch}, {size.line()} (split over the ranks)")
+    if mc.moe is not None:  # each rank: 1/ep of the experts, 1/(tp/ep) of each one's rows: 1/tp of their bytes
+        print(f"experts a rank: {mc.moe.num_experts // args.ep} of {mc.moe.num_experts}, each "
+              f"{'whole' if args.ep == args.tp else f'split over {args.tp // args.ep} ranks'}: "
+              f"{size.expert_bytes / args.tp / 2**20:.1f} MiB of expert weights a rank")
     print(f"{'point':<6}{'context':>9}{'batch':>6}{'page':>5}{'KV B/tok':>9}{'1 seq GiB':>10}{'batch GiB':>10}"
           f"{'pool tok':>10}{'full seqs':>10}  status")
     for r in rows(model, args.dtype, args.tp, args.kv_memory_gb, args.kv_cache_dtype):

@@ -167,6 +167,8 @@ class Rank(_S):
 
 class Layout(_S):
     tp: int | None = None
+    ep: int | None = None  # expert-parallel groups of the tp ranks (trnd/parallel.py); 1: every rank every expert
+    expert_bytes: int | None = None  # rank 0's expert weights as held (1/ep of the experts, 1/(tp/ep) of each)
     kv_heads_per_rank: int | None = None
     ranks: list[Rank] = []
 
@@ -286,6 +288,7 @@ class Peer(_S):
     agent: str | None = None
     healthy: bool | None = None
     tp: int | None = None
+    ep: int | None = None
     requests: int | None = None
     outstanding: int | None = None
     load: int | None = None

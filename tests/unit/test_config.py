@@ -48,6 +48,7 @@ def test_a_partial_part_keeps_the_roles_own_defaults():
     ({"port": 70000}, r"<= 65535 - at `\$.port`"),
     ({"log_level": "loud"}, r"log_level = 'loud' is not one of debug, info, warning, error"),
     ({"static": True, "tp": 2}, r"static runs one rank: tp = 2 must be 1 - at `\$.static`"),
+    ({"tp": 2, "ep": 4}, r"ep = 4 does not divide tp = 2: .* - at `\$.ep`"),
     ({"compile_decode": True, "kv_cache_dtype": "fp8_e4m3"}, r"compile_decode does not go with kv_cache_dtype"),
     ({"no_such_thing": 1}, r"unknown field `no_such_thing`"),
 ])

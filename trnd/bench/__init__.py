@@ -23,6 +23,8 @@ def add_bench_parser(sub) -> None:
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--skip-hf", action="store_true", help="measure trnd only")
     e.add_argument("--tp", type=int, default=1, help="N > 1: trnd at TP=N against trnd at TP=1 (no transformers)")
+    e.add_argument("--ep", type=int, default=1,
+                   help="E > 1 with --tp N: trnd at TP=N with a MoE model's experts in E groups (EP) against TP=N alone")
     e.add_argument("--compare-dtype", choices=["bfloat16", "float32"],
                    help="trnd at --dtype against trnd at this dtype (no transformers), alternated --rounds times")
     e.add_argument("--compare-decode-layers", action="store_true",

@@ -27,13 +27,14 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(10, vocab - 1, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def _trnd_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[int], tp: int = 1) -> dict:
+def _trnd_side(model: str, dtype: str, prompt_len: int, new: int, batches: list[int], tp: int = 1,
+               ep: int = 1) -> dict:
     from trnd.sampling_params import SamplingParams
     from trnd.llm import LLM
 
     biggest = max(batches) * (DECODE_PROMPT + new) + prompt_len
     llm = LLM(model, dtype=dtype, page_size=16, num_pages=biggest // 16 + 64, max_batch=max(batches),
-              prefix_cache=False, chunk_size=2048, token_budget=2048, tp=tp,
+              prefix_cache=False, chunk_size=2048, token_budget=2048, tp=tp, ep=ep,
               threads=max(1, (os.cpu_count() or 1) // tp))
     vocab = llm.engine.model_config.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -117,8 +118,8 @@ def _child(side: str, args: tuple, conn) -> None:
     if side == "trnd-eager-layers":  # decode steps through the model's Python loop, not ops.decode_layers
         os.environ["TRND_DECODE_LAYERS"] = "0"
         side = "trnd"
-    if side.startswith("trnd-tp"):
-        fn, args = _trnd_side, (*args, int(side.removeprefix("trnd-tp")))
+    if side.startswith("trnd-tp"):  # trnd-tpN or trnd-tpN-epE
+        fn, args = _trnd_side, (*args, *(int(n) for n in side.removeprefix("trnd-tp").split("-ep")))
     elif side == "floor":
         fn = _floor_side
     else:
@@ -204,7 +205,11 @@ def main(args) -> int:
     print(f"trnd bench engine: model {model}, dtype {args.dtype}, prefill {args.prompt_len} tokens, "
           f"decode {args.new_tokens} tokens at batch {batches}", flush=True)
     print(cpu_line(), flush=True)
-    if args.tp > 1:  # TP=1 vs TP=N, both trnd
+    if args.tp > 1 and args.ep > 1:  # TP=N with the experts split into EP groups vs TP=N alone, both trnd
+        ours, theirs = run_side(f"trnd-tp{args.tp}-ep{args.ep}", a), run_side(f"trnd-tp{args.tp}", a)
+        print(f"comparing trnd TP={args.tp} EP={args.ep} (first column) with trnd TP={args.tp} EP=1 (second column); "
+              "peak RSS is rank 0's")
+    elif args.tp > 1:  # TP=1 vs TP=N, both trnd
         ours, theirs = run_side(f"trnd-tp{args.tp}", a), run_side("trnd", a)
         print(f"comparing trnd TP={args.tp} (first column) with trnd TP=1 (second column)")
     elif args.compare_dtype:  # one engine, two compute dtypes, alternated; the best of each round counts
@@ -230,7 +235,8 @@ def main(args) -> int:
         rows.append((f"decode tok/s b={b}", b * args.new_tokens / ours[k],
                      theirs and b * args.new_tokens / theirs[k]))
     rows.append(("peak RSS MB", ours["peak_rss_mb"], theirs and theirs["peak_rss_mb"]))
-    names = ((f"trnd TP={args.tp}", "trnd TP=1") if args.tp > 1 else
+    names = ((f"TP={args.tp} EP={args.ep}", f"TP={args.tp} EP=1") if args.tp > 1 and args.ep > 1 else
+             (f"trnd TP={args.tp}", "trnd TP=1") if args.tp > 1 else
              (args.dtype, args.compare_dtype) if args.compare_dtype else
              ("one call", "Python loop") if args.compare_decode_layers else ("trnd", "transformers"))
     print(f"{'metric':<20}{names[0]:>12}{names[1]:>14}{'ratio':>8}")

@@ -212,11 +212,14 @@ def check_files(cfg) -> None:
 # -- the parts ----------------------------------------------------------------------------------------
 
 def engine_conflict(*, static: bool, compile_cache: str | None, compile_decode: bool, tp: int, backend: str,
-                    kv_cache_dtype: str) -> tuple[str, str] | None:
+                    kv_cache_dtype: str, ep: int = 1) -> tuple[str, str] | None:
     """(field, why) when these engine settings cannot run together, else None: the static path (and a compile
     cache, its graphs) runs one rank on model-dtype pages (engine/static.py); compile_decode
     (engine/compiled.py) one CPU rank on model-dtype pages, not beside the static path. The one place these
-    rules live: role configs (EngineKnobs) and the engine (engine/build.py EngineConfig) both ask."""
+    rules live: role configs (EngineKnobs) and the engine (engine/build.py EngineConfig) both ask. The experts
+    are split over groups of the role's ranks (trnd/parallel.py): ep divides tp."""
+    if tp % ep:
+        return "ep", f"ep = {ep} does not divide tp = {tp}: the experts are split over groups of the role's ranks"
     static_on = static or compile_cache is not None
     field = "static" if static else "compile_cache"
     if static_on and tp > 1:
@@ -242,6 +245,9 @@ class EngineKnobs(Part):
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"  # fp8: fp8 pages + scales
     backend: Literal["cpu", "cuda", "neuron"] = "cpu"
     tp: Annotated[int, Meta(ge=1, le=64)] = 1  # tensor-parallel ranks (processes)
+    # expert parallelism: a MoE model's experts split into `ep` groups of the tp ranks, whole experts each (ep
+    # divides tp; 1: every rank a slice of every expert). The KV does not depend on it (trnd/parallel.py)
+    ep: Annotated[int, Meta(ge=1, le=64)] = 1
     threads: Positive | None = None  # torch intra-op threads (per rank)
     kv_memory_gb: Annotated[float, Meta(gt=0)] = 1.0
     prefix_cache: bool = True
@@ -259,7 +265,7 @@ class EngineKnobs(Part):
 
     def __post_init__(self):
         bad = engine_conflict(static=self.static, compile_cache=self.compile_cache, compile_decode=self.compile_decode,
-                              tp=self.tp, backend=self.backend, kv_cache_dtype=self.kv_cache_dtype)
+                              tp=self.tp, backend=self.backend, kv_cache_dtype=self.kv_cache_dtype, ep=self.ep)
         if bad is not None:
             raise invalid(*bad)
         lock = self.core_lock

@@ -33,6 +33,7 @@ from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes
 from trnd.engine.scheduler import Scheduler, SchedulerConfig
 from trnd.model.config import ModelConfig, fingerprint, weights_identity
 from trnd.model.loader import load_model
+from trnd.model.moe import check_split
 from trnd.model.tokenizer import Tokenizer
 from trnd.parallel import TPGroup
 from trnd.transfer.metrics import TransferMetrics
@@ -60,6 +61,7 @@ class EngineConfig:
     seed: int | None = None  # for unseeded sampling (tests)
     threads: int | None = None
     tp: int = 1  # tensor-parallel ranks (processes) for this engine
+    ep: int = 1  # expert-parallel groups of those ranks (trnd/parallel.py); divides tp
     host_cache_gb: float = 0.0  # L2 host-DRAM tier for evicted prefix pages; 0: off
     host_policy: str = "write-back"  # or write-through
     node_host_memory_gb: float | None = None  # node-wide budget shared with other trnd processes; None: no check
@@ -79,7 +81,7 @@ class EngineConfig:
 
     def __post_init__(self):
         bad = engine_conflict(static=self.static, compile_cache=None, compile_decode=self.compile_decode, tp=self.tp,
-                              backend=self.backend, kv_cache_dtype=self.kv_cache_dtype)
+                              backend=self.backend, kv_cache_dtype=self.kv_cache_dtype, ep=self.ep)
         if bad is not None:
             raise ValueError(bad[1])
 
@@ -145,9 +147,10 @@ def build(cfg: EngineConfig) -> Parts:
     if mc.mla is not None and (why := mla_conflict(cfg)):
         raise StartupError(f"{why}: {mc.arch}'s latent KV pool (MLA) runs on the eager path with model-dtype "
                            "pages only for now")
-    tp = TPGroup(0, cfg.tp)
+    tp = TPGroup(0, cfg.tp, cfg.ep)
     nk = tp.kv_heads(mc.pool.heads)
     tp.split(mc.num_heads, "num_attention_heads")  # refuse a bad layout before starting processes
+    check_split(mc, tp, cfg.model)
     page_bytes = kv_page_bytes(mc, nk[1] - nk[0], cfg.page_size, cfg.kv_cache_dtype)
     num_pages = cfg.num_pages or max(2, int(cfg.kv_memory_gb * 2**30) // page_bytes)
     # One pool per rank, on the backend's device; with TP they live in shared memory so this process
@@ -159,7 +162,7 @@ def build(cfg: EngineConfig) -> Parts:
     if cfg.tp > 1:
         from trnd.engine.workers import WorkerGroup
 
-        workers = WorkerGroup(cfg.tp, cfg.model, cfg.dtype, cfg.backend, pools, cfg.threads)
+        workers = WorkerGroup(cfg.tp, cfg.model, cfg.dtype, cfg.backend, pools, cfg.threads, cfg.ep)
         tp = workers.tp
     # inductor packs its own weights: the static path and compiled decode load them plain
     model, mc = load_model(cfg.model, cfg.dtype, tp, cfg.backend,

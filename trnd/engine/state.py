@@ -12,6 +12,7 @@ from trnd import snapshot as S
 from trnd.cache.radix import check_pool_integrity
 from trnd.engine import trace
 from trnd.engine.request import Req, Status
+from trnd.model.moe import expert_bytes
 
 log = logging.getLogger("trnd.engine")
 
@@ -88,7 +89,8 @@ def engine_state(engine) -> S.State:
         tiers=S.part(S.Tiers, engine.tiers.stats() if engine.tiers is not None else None),
         stats=S.Stats(**dataclasses.asdict(engine.stats),
                       core_lock_wait_s=engine.core_lock.waited_s if engine.core_lock is not None else 0.0),
-        layout=S.Layout(tp=engine.tp.size, kv_heads_per_rank=engine.runner.num_kv_heads,
+        layout=S.Layout(tp=engine.tp.size, ep=engine.tp.ep, expert_bytes=expert_bytes(engine.model),
+                        kv_heads_per_rank=engine.runner.num_kv_heads,
                         ranks=[S.Rank(**r) for r in ranks]),
         limits=S.Limits(max_model_len=engine.max_model_len, max_batch=engine.cfg.max_batch,
                         token_budget=engine.cfg.token_budget, chunk_size=engine.cfg.chunk_size),

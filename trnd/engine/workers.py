@@ -33,10 +33,10 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(StepInputs)
 
 
-def init_group(rank: int, size: int, port: int) -> TPGroup:
+def init_group(rank: int, size: int, port: int, ep: int = 1) -> TPGroup:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=120))
-    return TPGroup(rank, size)
+    return TPGroup(rank, size, ep)
 
 
 def broadcast_bytes(data: bytes | None) -> bytes:
@@ -50,7 +50,7 @@ def broadcast_bytes(data: bytes | None) -> bytes:
 
 
 def worker_main(rank: int, size: int, port: int, model_dir: str, dtype: str | None, backend: str,
-                kv: torch.Tensor, threads: int | None) -> None:
+                kv: torch.Tensor, threads: int | None, ep: int = 1) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the role process decides when ranks stop
     keep_large_blocks()  # an engine process like its role (trnd/tuning.py); the spin and ISA caps are inherited
@@ -58,7 +58,7 @@ def worker_main(rank: int, size: int, port: int, model_dir: str, dtype: str | No
 
     if threads:
         torch.set_num_threads(threads)
-    tp = init_group(rank, size, port)
+    tp = init_group(rank, size, port, ep)
     model, cfg = load_model(model_dir, dtype, tp, backend, prepack=backend == "cpu")  # static runs tp=1 only
     runner = ModelRunner(model, cfg, kv)
     dist.barrier()
@@ -74,13 +74,14 @@ class WorkerGroup:
     """Ranks 1..N-1 of one role, started before rank 0 loads its own shard."""
 
     def __init__(self, size: int, model_dir: str, dtype: str | None, backend: str, pools: list[torch.Tensor],
-                 threads: int | None = None):
-        """pools[r]: rank r's KV pool, in shared memory (made by the role process, mapped by the rank)."""
+                 threads: int | None = None, ep: int = 1):
+        """pools[r]: rank r's KV pool, in shared memory (made by the role process, mapped by the rank); ep: the
+        experts' groups of ranks (trnd/parallel.py)."""
         self.size = size
         self.port = free_port()
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, name=f"trnd-rank{r}", daemon=True,
-                                  args=(r, size, self.port, model_dir, dtype, backend, pools[r], threads))
+                                  args=(r, size, self.port, model_dir, dtype, backend, pools[r], threads, ep))
                       for r in range(1, size)]
         # Ranks share the node's cores with rank 0: a short OpenMP spin (trnd/tuning.py). Not
         # OMP_WAIT_POLICY=PASSIVE: libgomp lets the GOMP_SPINCOUNT a spawned rank inherits override it.
@@ -96,7 +97,7 @@ class WorkerGroup:
             else:
                 os.environ["GOMP_SPINCOUNT"] = saved
         self._closing = False
-        self.tp = init_group(0, size, self.port)
+        self.tp = init_group(0, size, self.port, ep)
         self._watch = threading.Thread(target=self._watchdog, name="trnd-tp-watch", daemon=True)
         self._watch.start()
 

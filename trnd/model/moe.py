@@ -42,6 +42,33 @@ def layout_of(names, p: str) -> str:
     return "per_expert"
 
 
+def expert_bytes(model: nn.Module) -> int | None:
+    """This rank's expert weights as held (/admin/state layout); None for a dense model."""
+    held = [m.nbytes for m in model.modules() if isinstance(m, Experts)]
+    return sum(held) if held else None
+
+
+def check_split(cfg: ModelConfig, par: TPGroup, model_dir) -> None:
+    """Refuse, before any rank starts, a (tp, ep) layout this model's experts do not split into: one line naming
+    the field. Experts alone are split by ep; a dense model has none (ep > 1 is refused, not ignored)."""
+    m = cfg.moe
+    if m is None:
+        if par.ep > 1:
+            raise ModelError(f"{model_dir}: ep = {par.ep} splits a mixture-of-experts model's experts, and {cfg.arch} "
+                             "has none: leave ep at 1")
+        return
+    try:
+        par.experts(m.num_experts)
+        i0, i1 = par.expert_rows(m.intermediate_size)
+    except ValueError as e:
+        raise ModelError(f"{model_dir}: {e}") from None
+    group = MX_GROUP if cfg.quant and cfg.quant.method == "mxfp4" else cfg.quant.block[1] if cfg.quant else 1
+    if i1 - i0 < m.intermediate_size and (i1 - i0) % group:  # a split expert: each share whole blocks
+        raise ModelError(f"{model_dir}: tp / ep = {par.size // par.ep} splits each expert's {m.intermediate_size} "
+                         f"intermediate rows into {i1 - i0} a rank, not whole {cfg.quant.method} blocks of {group}: "
+                         f"raise ep (ep = tp = {par.size} keeps experts whole)")
+
+
 class Experts(nn.Module):
     """This rank's experts [e0, e1), each on intermediate rows [i0, i1). Parameters as the loader fills them;
     `finish_load` puts them in kernels/moe.py's order, `prepack` into the compiled kernel's layout."""

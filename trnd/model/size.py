@@ -27,6 +27,7 @@ class ModelSize(msgspec.Struct, frozen=True):
     quant: str | None = None  # quantization_config.quant_method
     experts: int | None = None  # per sparse layer
     active_experts: int | None = None  # per token
+    expert_bytes: int = 0  # the experts' share of weight_bytes (what ep and tp split: `trnd points --ep`)
 
     def line(self) -> str:
         moe = f" ({self.active_experts} of {self.experts} experts a token)" if self.experts else ""
@@ -49,12 +50,14 @@ def _headers(model_dir: Path):
 def model_size(model_dir: str | Path) -> ModelSize:
     model_dir = Path(model_dir)
     mc = ModelConfig.from_dir(model_dir)
-    total = experts = nbytes = 0
+    total = experts = nbytes = expert_bytes = 0
     for name, dtype, shape in _headers(model_dir):
         n = 1
         for d in shape:
             n *= d
         nbytes += n * _BYTES.get(dtype, 2)
+        if ".mlp.experts." in name:
+            expert_bytes += n * _BYTES.get(dtype, 2)
         if name.endswith(("_scale_inv", "_scales")):
             continue
         if name.endswith("_blocks"):
@@ -65,4 +68,4 @@ def model_size(model_dir: str | Path) -> ModelSize:
     m = mc.moe
     active = total if m is None else total - experts + experts * m.top_k // m.num_experts
     return ModelSize(total, active, nbytes, mc.quant.method if mc.quant else None,
-                     m.num_experts if m else None, m.top_k if m else None)
+                     m.num_experts if m else None, m.top_k if m else None, expert_bytes)

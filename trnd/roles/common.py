@@ -99,6 +99,7 @@ def manifest(engine: Engine, point: DecodePoint, role: str, model_name: str, spe
                     dtype=str(mc.dtype).removeprefix("torch."), num_layers=mc.num_layers,
                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=point.page_size,
                     point=point.name, max_context=point.max_context, max_batch=point.max_batch, tp=engine.tp.size,
+                    ep=engine.tp.ep,
                     rank_heads=list(engine.layout.rank_heads), page_bytes=engine.runner.page_bytes,
                     kv_cache_dtype=engine.cfg.kv_cache_dtype, transfer_backend=engine.cfg.transfer_backend,
                     speculative_config={} if speculative is None else speculative.contract(),

@@ -188,8 +188,8 @@ class DecodeServer:
         peer.healthy, peer.last_seen = True, time.monotonic()
         self._had_peer = True
         peer.connects += 1
-        log.info("prefill %s handshaked (agent %s, tp=%d)%s", peer.addr, name, reply.manifest.tp,
-                 peer.failures.recovered() or "")
+        log.info("prefill %s handshaked (agent %s, tp=%d ep=%d)%s", peer.addr, name, reply.manifest.tp,
+                 reply.manifest.ep, peer.failures.recovered() or "")
 
     def _handshaked(self, peer: PrefillPeer, meta: bytes) -> str:
         """Engine thread: the peer's earlier session is over (Inbox.handshaked)."""

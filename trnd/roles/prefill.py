@@ -153,8 +153,8 @@ class PrefillServer:
                                          self.admin_port))
 
             failures = self._refusals.pop(str(addr[0]) if addr else "?", None)
-            log.info("decode server %s connected (agent %s, tp=%d)%s", addr, agent_name, hello.manifest.tp,
-                     (failures and failures.recovered()) or "")
+            log.info("decode server %s connected (agent %s, tp=%d ep=%d)%s", addr, agent_name, hello.manifest.tp,
+                     hello.manifest.ep, (failures and failures.recovered()) or "")
             while True:
                 msg = await chan.recv()
                 if isinstance(msg, wire.PrefillReq):
@@ -380,7 +380,8 @@ class PrefillServer:
                 in_flight=[S.InFlight(rid=h.rid, peer=h.peer, xfers=len(h.xfers), sent_pages=h.sent_pages,
                                       age_s=round(now - min(x.t0 for x in h.xfers), 3))
                            for h in self.handoffs.by_local.values() if h.xfers], **self.stats),
-            "peers": [S.Peer(id=p.id, kind="decode", agent=p.agent_name, tp=p.manifest.tp, requests=p.requests,
+            "peers": [S.Peer(id=p.id, kind="decode", agent=p.agent_name, tp=p.manifest.tp, ep=p.manifest.ep,
+                             requests=p.requests,
                              bytes_sent=p.bytes_sent, healthy=p.alive,
                              connected_s=round(time.time() - p.connected_at, 1)) for p in self.peers.values()],
         }

@@ -56,6 +56,9 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     max_context: int
     max_batch: int
     tp: int
+    # reported, never compared: the KV pages depend on tp (rank_heads) alone, so a pair may split experts its own
+    # way (prefill tp=2 ep=2 hands off to decode tp=1)
+    ep: int = 1
     rank_heads: list[tuple[int, int]]  # [start, end) KV heads held by each rank
     page_bytes: int  # one page on one rank
     kv_cache_dtype: str = "auto"  # KV page format (auto: the model dtype; fp8_*: fp8 values + scales)
