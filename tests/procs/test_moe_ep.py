@@ -25,7 +25,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LENGTHS = [5, 40, 17]
 # tiny-moe's attention at head_dim 64: o_proj's 256 columns split by tp=2 into whole 128-column fp8 blocks (at 16,
 # its 64 cannot be split: one line at load). The experts' 32 rows stay whole with ep = tp.
-MODELS = {**MODELS, "moe-fp8-hd64": dict(MODELS["moe-fp8"], overrides={"head_dim": 64})}
+MODELS = {**MODELS, "moe-fp8-hd64": dict(MODELS["moe-fp8"], overrides={"head_dim": 64}),
+          "mla-v3-ep": dict(preset="tiny-mla-v3", seed=4)}  # DeepSeek-V3's routed experts (model/deepseek.py)
 
 
 def run(model_dir, prompts, **layout) -> tuple[list[list[int]], dict]:
@@ -39,7 +40,7 @@ def run(model_dir, prompts, **layout) -> tuple[list[list[int]], dict]:
     return outs, state
 
 
-@pytest.mark.parametrize("name", ["moe", "gptoss"])
+@pytest.mark.parametrize("name", ["moe", "gptoss", "mla-v3-ep"])
 def test_ep2_matches_transformers(models_dir, name):
     """tp=2 ep=2: each rank runs its 4 of 8 experts whole for every token, the all-reduce combines; tp=2 ep=1
     (each expert's rows split) gives the same tokens."""
