@@ -8,7 +8,7 @@ rank's share of the heads is contiguous too, which is what a TP-to-TP handoff co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,15 @@ class AttnMeta:
     # with `chunk_attention` over its padded page table. None on the eager path.
     chunk_pages: torch.Tensor | None = None  # [W] page table, padded
     chunk_pos: torch.Tensor | None = None  # [T] position of each query token
+
+
+def kept_rows(meta: AttnMeta, keep: list[int]) -> AttnMeta:
+    """The metadata for attending only the rows `keep` (the last layer's sampled rows: model/llama.py
+    CausalLM._sampled_only): the decode rows stay, a kept chunk row becomes a one-token chunk whose context, the
+    chunk's own K/V included (written before), is read from the pages."""
+    nd, wanted = meta.num_decode, set(keep)
+    kept = (s for s in meta.prefill if s.q_start + s.q_len - 1 in wanted)
+    return replace(meta, prefill=[PrefillSeq(nd + i, 1, s.ctx_len, s.pages) for i, s in enumerate(kept)])
 
 
 def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> None:

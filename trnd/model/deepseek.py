@@ -28,13 +28,11 @@ Routers (kernels/moe.py's experts run the routed experts; weights in fp32 as tra
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trnd_kernels.attention import AttnMeta, PrefillSeq
+from trnd_kernels.attention import AttnMeta, PrefillSeq, kept_rows
 from trnd_kernels.rotary import apply_rotary
 from trnd.model.config import ModelConfig
 from trnd.model.layers import Linear, RMSNorm, Source, param
@@ -100,9 +98,7 @@ class MLAttention(nn.Module):
         if keep is not None:
             if not keep:
                 return x[:0]
-            wanted = set(keep)
-            kept = (s for s in meta.prefill if s.q_start + s.q_len - 1 in wanted)
-            meta = replace(meta, prefill=[PrefillSeq(nd + i, 1, s.ctx_len, s.pages) for i, s in enumerate(kept)])
+            meta = kept_rows(meta, keep)
             q_nope, q_pe, t = q_nope[keep], q_pe[keep], len(keep)
         out = q.new_empty(t, nq, self.v)
         if nd:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 
 import torch
 from torch import nn
 
 from trnd_kernels import Ops, fp8
-from trnd_kernels.attention import AttnMeta, PrefillSeq, chunk_attention
+from trnd_kernels.attention import AttnMeta, chunk_attention, kept_rows
 from trnd_kernels.cpu import LINEAR_AMX_MIN_ROWS, MAX_PAGE
 from trnd_kernels.rotary import attention_factor, cos_sin, inv_freq
 from trnd.model.config import ModelConfig
@@ -79,9 +78,7 @@ class Attention(nn.Module):
         if keep is not None:
             if not keep:
                 return x[:0]
-            wanted = set(keep)
-            kept = (s for s in meta.prefill if s.q_start + s.q_len - 1 in wanted)
-            meta = replace(meta, prefill=[PrefillSeq(nd + i, 1, s.ctx_len, s.pages) for i, s in enumerate(kept)])
+            meta = kept_rows(meta, keep)
             q, k, v, t = q[keep], k[keep], v[keep], len(keep)
         extra = self.extra
         if meta.chunk_pages is not None:  # static path: one padded chunk (see chunk_attention)
