@@ -4,8 +4,11 @@ Each setting runs in its own child process holding two engines, one without spec
 it, their rounds interleaved (off, on, on, off, ...) on the same prompts: c requests at once (c = each of
 --concurrency), --new-tokens greedy tokens each with eos ignored. TPOT is per request (first token to
 last over the tokens between), output tok/s over the wall time of a round; the figure of each side is its
-median over the rounds. `held` is the share of the speculating engine's steps that its payoff measure
-(engine/spec/payoff.py) ran without drafts; --always-draft turns that off. Random-weight checkpoints
+median over the rounds, after one unmeasured round at each concurrency (the speculator's payoff measure
+learns each batch size once in a server's life: its first drafted step there, a draft model's catch-up of
+whole prompts included, is not what a running server pays per request). `held` is the share of the
+speculating engine's steps that its payoff measure (engine/spec/payoff.py) ran without drafts;
+--always-draft turns that off. Random-weight checkpoints
 accept little, so the settings say where drafts can be right:
 
   draft-target  the draft model is the target itself (a second copy, its own pages): every drafted token is
@@ -120,6 +123,8 @@ def _side(model: str, dtype: str, setting: str, spec: dict, concurrency: list[in
     out = {"off": {}, "on": {}}
     for c in concurrency:
         runs = {"off": ([], []), "on": ([], [])}
+        for llm in (off, on):  # one unmeasured round: what the payoff learns once per batch size is not timed
+            _round(llm, prompts[:c], params)
         before = _counts(on)
         for r in range(rounds):
             ps = prompts[r * cmax: r * cmax + c]

@@ -10,6 +10,12 @@ step. The losing side is tried again now and then: drafting after 4, 8, .. MAX_W
 try that loses doubles the wait), a plain step one in PLAIN_EVERY while drafting wins, so a change of
 workload (acceptance up or down) is found again.
 
+What the tries of the losing side cost is bounded: a drafted step that loses is charged its time beyond
+what a plain step would have taken for its tokens (with a draft model, the catch-up of everything its draft
+missed while held: for a draft near the target's size, a prefill of those tokens), and a try is made only
+while the charges stay within BUDGET of the time the steps at that batch size took. So drafting that never
+pays costs at most about BUDGET, whatever the draft's size (docs/RESULTS.md, "Speculative decoding").
+
 Greedy outputs do not depend on it (a verified draft emits the target's own tokens); a seeded sampling
 request's tokens do (a drafted position draws with the rejection sampler's uniforms), so `adaptive: false`
 drafts at every step, as vLLM does.
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 ALPHA = 0.25  # weight of the newest step in each average
 PLAIN_EVERY = 32  # while drafting wins: one plain step in this many keeps the plain average current
 MIN_WAIT, MAX_WAIT = 4, 64  # while drafting loses: steps between two tries, doubling from MIN_WAIT
+BUDGET = 0.02  # what the losing tries may cost, as a share of the steps' time at that batch size
 
 
 @dataclass
@@ -39,6 +46,8 @@ class _Size:
     draft: _Side
     steps: int = 0  # since the losing side last ran
     wait: int = MIN_WAIT  # steps between two tries of drafting while it loses
+    lost: float = 0.0  # seconds drafted steps that lost took beyond plain steps' rate for their tokens
+    spent: float = 0.0  # seconds all steps took (BUDGET of it is what losing tries may lose)
 
     @property
     def drafting_wins(self) -> bool:
@@ -51,8 +60,12 @@ class Payoff:
         self.plain_steps = 0  # decode steps run without drafts because drafting lost (or to re-measure)
 
     def _size(self, batch: int) -> _Size:
+        """A batch size's averages; a new size starts from the nearest measured size's (a draft's first step
+        at a size may carry its catch-up of whole prompts: not paid again where a neighbour already lost)."""
         if batch not in self.sizes:
-            self.sizes[batch] = _Size(_Side(), _Side())
+            near = min(self.sizes, key=lambda b: (abs(b - batch), b), default=None)
+            n = self.sizes.get(near)
+            self.sizes[batch] = _Size(_Side(n.plain.rate), _Side(n.draft.rate)) if n else _Size(_Side(), _Side())
         return self.sizes[batch]
 
     def draft_now(self, batch: int) -> bool:
@@ -70,7 +83,7 @@ class Payoff:
                 self.plain_steps += 1
                 return False
             return True
-        if s.steps >= s.wait:
+        if s.steps >= s.wait and s.lost <= BUDGET * s.spent:
             s.steps = 0
             return True
         self.plain_steps += 1
@@ -83,7 +96,10 @@ class Payoff:
             return
         s = self._size(batch)
         won = s.drafting_wins
+        s.spent += seconds
         (s.draft if drafted else s.plain).add(tokens / seconds)
+        if drafted and not s.drafting_wins and s.plain.rate is not None:
+            s.lost += max(seconds - tokens / s.plain.rate, 0.0)
         if drafted and not s.drafting_wins:
             s.wait = MIN_WAIT if won else min(2 * s.wait, MAX_WAIT)
         elif s.drafting_wins:
