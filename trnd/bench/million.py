@@ -10,8 +10,8 @@ A local `trnd serve --prefill 1 --decode 1 --point 1m` with L2 on the decode ser
 Each phase's time comes from the client and the roles' request traces (/admin/requests), each process's
 memory from /proc (resident now and peak), the pages from /admin/state's integrity check after each phase.
 
-The model is the `tiny` preset (Llama layout, hidden 64, 4 heads, 2 KV heads, head_dim 16) with one decoder
-layer and llama3 RoPE scaling to 1,048,576 positions (factor 128 over 8192), fp32. Why one layer: the engine
+The model is the `tiny` preset (Llama layout, hidden 64, 4 heads, 2 KV heads, head_dim 16 or --head-dim) with one
+decoder layer and llama3 RoPE scaling to 1,048,576 positions (factor 128 over 8192), fp32. Why one layer: the engine
 runs the last layer on the sampled rows only (the other rows feed nothing but the KV cache), so with one layer
 a prefill chunk attends for its last row only, and the prefill is the linears, RoPE and the KV writes; a
 second layer would add full causal attention over 1M tokens, ~3.5e13 FLOPs per head on 2 cores (hours:
@@ -36,20 +36,24 @@ ORIGINAL = 8192
 def add_arguments(p) -> None:
     p.add_argument("--context", type=int, default=1_048_576, help="prompt + decoded tokens")
     p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=16,
+                   help="the model's head_dim (default 16, the tiny preset's; 64 is what real models have, "
+                        "4x the KV: 1 GiB for 1M tokens, pools and L2 sized for it)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out-dir", help="logs and results (default: a new temp dir)")
 
 
-def million_model(max_context: int = 1_048_576) -> Path:
+def million_model(max_context: int = 1_048_576, head_dim: int = 16) -> Path:
     from trnd.model.maker import cache_dir, make_model
 
     factor = max(1, -(-max_context // ORIGINAL))
-    out = cache_dir() / f"tiny1-llama-rope{factor * ORIGINAL}"
+    out = cache_dir() / f"tiny1-llama-rope{factor * ORIGINAL}" if head_dim == 16 else \
+        cache_dir() / f"tiny1-llama-hd{head_dim}-rope{factor * ORIGINAL}"
     if not (out / "config.json").is_file():
         scaling = {"rope_type": "llama3", "factor": float(factor), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": ORIGINAL}
         make_model(out, preset="tiny", arch="llama", seed=0, dtype="float32",
-                   overrides={"rope_scaling": scaling, "num_hidden_layers": 1})
+                   overrides={"rope_scaling": scaling, "num_hidden_layers": 1, "head_dim": head_dim})
     return out
 
 
@@ -112,12 +116,13 @@ def main(args) -> int:
     from trnd.procs import free_port, wait_ready
 
     print(cpu_line(), flush=True)
-    model = million_model()
+    model = million_model(head_dim=args.head_dim)
+    kv_gb = round(0.3 * args.head_dim / 16, 2)  # the point asks one 1M sequence and some, fp32 (256 MiB at 16)
     out = Path(args.out_dir or tempfile.mkdtemp(prefix="trnd-bench-million-"))
     out.mkdir(parents=True, exist_ok=True)
     port, admin = free_port(), free_port()
     cfg = {"model": str(model), "port": port, "num_prefill": 1, "num_decode": 1, "point": "1m", "dtype": "float32",
-           "kv_memory_gb": 0.3, "host_cache_gb": 0.3, "max_body_bytes": 32 * 2**20, "prefill_admin_port": admin,
+           "kv_memory_gb": kv_gb, "host_cache_gb": kv_gb, "max_body_bytes": 32 * 2**20, "prefill_admin_port": admin,
            "served_model_name": "m", "log_level": "info"}
     if args.threads:
         cfg["threads"] = args.threads
