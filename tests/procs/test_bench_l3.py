@@ -21,7 +21,7 @@ def test_the_bench_pages_are_the_servers_pages(tiny_bf16):
     pool, lay = server_pages(str(tiny_bf16), "float32", 3)
     mc = ModelConfig.from_dir(tiny_bf16, "float32")
     assert pool.dtype == mc.dtype and str(mc.dtype) == "torch.float32"  # not the checkpoint's bf16
-    assert lay.page_bytes(0) == kv_page_bytes(mc, mc.num_kv_heads, lay.page_size) == pool[0].numel() * 4
+    assert lay.page_bytes(0) == kv_page_bytes(mc, mc.pool.heads, lay.page_size) == pool[0].numel() * 4
 
 
 @pytest.mark.slow

@@ -89,10 +89,11 @@ def server_pages(model: str, dtype: str, num_pages: int) -> tuple[torch.Tensor, 
     from trnd.model.config import ModelConfig
 
     mc = ModelConfig.from_dir(model, resolve_dtype(dtype)[0])
-    page_size = Shapes().page_size
-    pool = alloc_kv(mc, mc.num_kv_heads, num_pages, page_size)
-    itemsize, scale_bytes = fp8.block_bytes(pool.dtype, page_size, mc.head_dim)
-    return pool, Layout(mc.num_layers, page_size, mc.head_dim, itemsize, ((0, mc.num_kv_heads),), scale_bytes)
+    page_size, kind = Shapes().page_size, mc.pool  # the pool kind: GQA's K and V heads, or MLA's latent rows
+    pool = alloc_kv(mc, kind.heads, num_pages, page_size)
+    itemsize, scale_bytes = fp8.block_bytes(pool.dtype, page_size, kind.width)
+    return pool, Layout(mc.num_layers, page_size, kind.width, itemsize, ((0, kind.heads),), scale_bytes, kind.parts,
+                        kind.name)
 
 
 def _bits(pool: torch.Tensor) -> torch.Tensor:
