@@ -55,13 +55,20 @@ def page_size_of(kv: torch.Tensor, head_dim: int) -> int:
 def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor,
              offsets: torch.Tensor) -> None:
     """k, v [T, Hk, D] into their slots of an fp8 pool, raising and applying each touched block's scale."""
-    values, scales = split(kv, k.shape[-1])
+    write_parts(kv, layer, torch.stack((k, v), dim=1), page_ids, offsets)
+
+
+def write_parts(kv: torch.Tensor, layer: int, new: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    """new [T, parts, Hk, D] into their slots of an fp8 pool of any pool kind (K|V: 2 parts; MLA's latent row: 1
+    part of 1 head), raising and applying each touched (layer, part, head) block's scale."""
+    values, scales = split(kv, new.shape[-1])
     fmax = torch.finfo(kv.dtype).max
-    new = torch.stack((k, v), dim=1).float()  # [T, 2, Hk, D]
+    new = new.float()
     pages, inv = torch.unique(page_ids, return_inverse=True)  # [U], [T]
-    u, hk = len(pages), new.shape[2]
-    dev = k.device
-    amax = torch.zeros(u, 2, hk, device=dev).scatter_reduce_(0, inv[:, None, None].expand(-1, 2, hk), new.abs().amax(-1), "amax")
+    u, parts, hk = len(pages), new.shape[1], new.shape[2]
+    dev = new.device
+    amax = torch.zeros(u, parts, hk, device=dev).scatter_reduce_(0, inv[:, None, None].expand(-1, parts, hk),
+                                                                 new.abs().amax(-1), "amax")
     fresh = torch.zeros(u, dtype=torch.bool, device=dev).index_put_((inv[offsets == 0],),
                                                                     torch.tensor(True, device=dev))
     old = scales[pages, layer]  # [U, 2, Hk]
@@ -74,12 +81,20 @@ def write_kv(kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, pag
         blocks = values[g, layer].float() * ratio[grow][..., None, None]
         values[g, layer] = blocks.clamp(-fmax, fmax).to(kv.dtype)
     scales[pages, layer] = scale
-    s = scale[inv].clamp_min(1e-30)[..., None]  # [T, 2, Hk, 1]
+    s = scale[inv].clamp_min(1e-30)[..., None]  # [T, parts, Hk, 1]
     q = (new / s).clamp(-fmax, fmax).to(kv.dtype)
     page, slot = page_ids[:, None, None], offsets[:, None, None]
     head = torch.arange(hk, device=dev)
-    index = (page, torch.full((), layer, dtype=torch.long, device=dev), torch.arange(2, device=dev)[:, None], head, slot)
+    index = (page, torch.full((), layer, dtype=torch.long, device=dev), torch.arange(parts, device=dev)[:, None], head,
+             slot)
     values.index_put_(index, q)
+
+
+def gather_parts(kv: torch.Tensor, layer: int, pages: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """pages [n] -> [n, parts, Hk, P, width] of one layer in `dtype`, dequantized (any pool kind)."""
+    rows = kv.view(kv.shape[0], kv.shape[1], -1)[:, layer]
+    values, scales = split(rows.index_select(0, pages).view(len(pages), *kv.shape[2:]), width)
+    return (values.float() * scales[..., None, None]).to(dtype)
 
 
 def gather(kv: torch.Tensor, layer: int, pages: torch.Tensor, head_dim: int, dtype: torch.dtype):

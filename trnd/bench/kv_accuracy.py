@@ -59,7 +59,7 @@ def measure(model_dir: str, prompts: list[list[int]], gen: int, dtype: str = "fl
     for prompt, cont in zip(prompts, runs["auto"]):
         ids = prompt + cont[:-1]  # the reference sequence: predict cont[0..gen-1] from prompt + cont[:i]
         for f in formats:
-            kv = alloc_kv(mc, mc.num_kv_heads, pool_pages, page_size, kv_cache_dtype=f)
+            kv = alloc_kv(mc, mc.pool.heads, pool_pages, page_size, kv_cache_dtype=f)
             logits[f].append(trnd_logits(model, kv, ids, len(prompt), page_size))
         if ref_model is not None:
             with torch.no_grad():

@@ -145,8 +145,7 @@ def build(cfg: EngineConfig) -> Parts:
     mc = ModelConfig.from_dir(cfg.model, cfg.dtype)
     tokenizer = Tokenizer.from_dir(cfg.model)
     if mc.mla is not None and (why := mla_conflict(cfg)):
-        raise StartupError(f"{why}: {mc.arch}'s latent KV pool (MLA) runs on the eager path with model-dtype "
-                           "pages only for now")
+        raise StartupError(f"{why}: {mc.arch}'s latent KV pool (MLA) runs on the eager path only for now")
     tp = TPGroup(0, cfg.tp, cfg.ep)
     nk = tp.kv_heads(mc.pool.heads)
     tp.split(mc.num_heads, "num_attention_heads")  # refuse a bad layout before starting processes
@@ -208,10 +207,8 @@ def build(cfg: EngineConfig) -> Parts:
 
 
 def mla_conflict(cfg: EngineConfig) -> str | None:
-    """What an MLA model's engine cannot take yet, named by its setting: fp8 latent pages (kernels/fp8.py writes K|V
-    pairs), the static path and compiled decode (their traced attention is the GQA one)."""
-    if cfg.kv_cache_dtype != "auto":
-        return f"kv_cache_dtype = {cfg.kv_cache_dtype!r} is not served for MLA"
+    """What an MLA model's engine cannot take yet, named by its setting: the static path and compiled decode (their
+    traced attention is the GQA one)."""
     if cfg.static:
         return "static = true (or a compile cache) is not served for MLA"
     if cfg.compile_decode:

@@ -9,6 +9,8 @@ attends in the absorbed form, reading the pages in place and never expanding the
     q_h . k_h = (W_UK_h^T q_nope_h) . c + q_pe_h . k_pe,   out_h = W_UV_h (sum_s p_s c_s)
 so a step reads kv_lora_rank + qk_rope_head_dim values per token and layer instead of num_heads x
 (qk_head_dim + v_head_dim). Both in torch; a compiled CPU kernel for the absorbed decode is not written yet.
+An fp8 pool (kv_cache_dtype fp8_*) keeps each (page, layer) row block in fp8 with one fp32 scale after it
+(kernels/fp8.py write_parts / gather_parts), dequantized as the rows are read.
 
 Tensor parallelism: the query heads (q_proj / q_b_proj rows), kv_b_proj's per-head rows and o_proj's columns are
 split over the ranks; q_a_proj, kv_a_proj_with_mqa and the latent are replicated: every rank computes the same
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trnd_kernels import fp8
 from trnd_kernels.attention import AttnMeta, PrefillSeq, kept_rows
 from trnd_kernels.rotary import apply_rotary
 from trnd.model.config import ModelConfig
@@ -92,8 +95,11 @@ class MLAttention(nn.Module):
         if self.interleave:
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = apply_rotary(q_pe, k_pe[:, None, :], cos, sin)
-        pool = kv[:, self.layer, 0, 0]  # [pages, slot, rank + rope]: a view of the pool
-        pool.index_put_((meta.page_ids, meta.offsets), torch.cat((c, k_pe[:, 0]), dim=-1).to(kv.dtype))
+        row = torch.cat((c, k_pe[:, 0]), dim=-1)
+        if fp8.is_fp8(kv):  # one (page, layer) block of the latent pool, its values then its scale
+            fp8.write_parts(kv, self.layer, row[:, None, None, :], meta.page_ids, meta.offsets)
+        else:
+            kv[:, self.layer, 0, 0].index_put_((meta.page_ids, meta.offsets), row.to(kv.dtype))
         nd = meta.num_decode
         if keep is not None:
             if not keep:
@@ -102,15 +108,21 @@ class MLAttention(nn.Module):
             q_nope, q_pe, t = q_nope[keep], q_pe[keep], len(keep)
         out = q.new_empty(t, nq, self.v)
         if nd:
-            out[:nd] = self._absorbed(q_nope[:nd], q_pe[:nd], pool, meta.decode_pages, meta.decode_ctx)
+            out[:nd] = self._absorbed(q_nope[:nd], q_pe[:nd], kv, meta.decode_pages, meta.decode_ctx)
         for s in meta.prefill:
             sl = slice(s.q_start, s.q_start + s.q_len)
-            out[sl] = self._expanded(q_nope[sl], q_pe[sl], pool, s)
+            out[sl] = self._expanded(q_nope[sl], q_pe[sl], kv, s)
         return self.o(out.reshape(t, nq * self.v))
 
-    def _expanded(self, q_nope, q_pe, pool: torch.Tensor, s: PrefillSeq) -> torch.Tensor:
+    def _rows(self, kv: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """pages [n] -> their latent + rope rows of this layer [n, page_size, width] in `dtype` (fp8: dequantized)."""
+        if fp8.is_fp8(kv):
+            return fp8.gather_parts(kv, self.layer, pages, self.rank + self.rope, dtype)[:, 0, 0]
+        return kv[:, self.layer, 0, 0].index_select(0, pages).to(dtype)
+
+    def _expanded(self, q_nope, q_pe, kv: torch.Tensor, s: PrefillSeq) -> torch.Tensor:
         """One prefill chunk: its context's latents expanded by kv_b_proj into every head's K and V."""
-        rows = pool.index_select(0, s.pages).reshape(-1, pool.shape[-1])[: s.ctx_len].to(q_nope.dtype)
+        rows = self._rows(kv, s.pages, q_nope.dtype).flatten(0, 1)[: s.ctx_len]
         c, k_pe = rows.split([self.rank, self.rope], dim=-1)
         n = rows.shape[0]
         k_nope, v = F.linear(c, self.kv_b).view(n, self.nq, self.nope + self.v).split([self.nope, self.v], dim=-1)
@@ -122,14 +134,14 @@ class MLAttention(nn.Module):
                                              attn_mask=visible, scale=self.scale)
         return out.transpose(0, 1)
 
-    def _absorbed(self, q_nope, q_pe, pool: torch.Tensor, pages: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_pe, kv: torch.Tensor, pages: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
         """Decode rows over their pages in place: q_nope taken into latent space by W_UK, scores over latent + rope
         part, the weighted latent out through W_UV."""
         w = self.kv_b.view(self.nq, self.nope + self.v, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         b = pages.shape[0]
-        rows = pool.index_select(0, pages.reshape(-1)).view(b, -1, pool.shape[-1]).to(q_nope.dtype)  # [B, S, R+r]
+        rows = self._rows(kv, pages.reshape(-1), q_nope.dtype).view(b, -1, self.rank + self.rope)  # [B, S, R+r]
         c, k_pe = rows.split([self.rank, self.rope], dim=-1)
         scores = (torch.einsum("bhr,bsr->bhs", q_lat, c) + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)).float()
         scores.mul_(self.scale)
