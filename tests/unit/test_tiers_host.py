@@ -205,3 +205,21 @@ def test_decode_role_admission_loads_host_pages_before_asking_prefill():
     assert r.num_cached == 12 and len(r.pages) == 4  # 3 pages loaded + 1 page for the prefill peer to write
     assert [kv[p, 0].item() for p in r.pages[:3]] == [1.0, 2.0, 3.0]
     tiers.close()
+
+
+def test_host_copies_more_pages_than_one_gather_chunk_in_both_directions():
+    """Pages go to L2 and back COPY_CHUNK at a time (the temporary stays small): every page of a put larger
+    than several chunks lands in its slot, and a load brings each back to the page asked, in order."""
+    from trnd.cache.host import COPY_CHUNK, HostTier
+
+    n = 3 * COPY_CHUNK + 5
+    pools = [torch.randn(2 * n, 3, 8), torch.randn(2 * n, 3, 8)]  # two ranks' pools
+    want = [p[:n].clone() for p in pools]
+    host = HostTier(pools, num_slots=n)
+    keys = [i.to_bytes(4, "little") for i in range(n)]
+    assert host.put(keys, list(range(n))) == n
+    dst = list(range(2 * n - 1, n - 1, -1))  # into other pages, reversed
+    assert host.load(keys, dst).result(10) == n
+    for p, w in zip(pools, want):
+        assert torch.equal(p[dst], w)
+    host.close()

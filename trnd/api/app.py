@@ -25,6 +25,7 @@ from trnd.http.auth import key_swap
 from trnd.http.errors import APIError
 
 LOOP_TIMEOUT_S = 5.0  # how long admin calls wait for the engine loop
+EVICT_TIMEOUT_S = 120.0  # /admin/evict writes every cached page back to L2 first: a 1M-token sequence is GiBs
 
 
 @dataclass(kw_only=True)
@@ -71,14 +72,14 @@ class AppState(Readiness):
             return swap()
         return commit
 
-    async def on_loop(self, fn: Callable[[], object]):
+    async def on_loop(self, fn: Callable[[], object], timeout_s: float = LOOP_TIMEOUT_S):
         """fn() on the engine thread, bounded: a crashed or stuck loop is a 503, not a hung admin call."""
         if self.loop.error is not None:
             raise APIError(503, "The engine loop has crashed", code="engine_error")
         try:
-            return await within(self.loop.run_on_loop(fn), LOOP_TIMEOUT_S)
+            return await within(self.loop.run_on_loop(fn), timeout_s)
         except asyncio.TimeoutError:
-            raise APIError(503, f"The engine loop did not answer within {LOOP_TIMEOUT_S} s",
+            raise APIError(503, f"The engine loop did not answer within {timeout_s} s",
                            code="engine_busy") from None
 
     async def state(self) -> snapshot.State:
@@ -156,5 +157,5 @@ async def admin_drain(request: Request) -> Response:
 
 async def admin_evict(request: Request) -> Response:
     st: AppState = state_of(request)
-    freed = await st.on_loop(st.loop.engine.radix.reset)
+    freed = await st.on_loop(st.loop.engine.radix.reset, EVICT_TIMEOUT_S)
     return json_response({"evicted_pages": freed})
