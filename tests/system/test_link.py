@@ -157,3 +157,53 @@ def test_a_lossy_link_moves_the_kv_byte_for_byte(link, tiny_qwen3, tmp_path):
             pair.close()
     finally:
         link.shape("1gbit", 0.2)
+
+
+@pytest.mark.slow
+def test_a_link_cut_mid_handoff_ends_the_request_in_bounds_and_the_same_prompt_gives_the_same_tokens_after(
+        link, tiny_qwen3, tmp_path):
+    """The link goes down while a prompt's KV crosses it (10 Mbit/s: about a second of writes): the request ends
+    within the decode server's handoff deadline (an error, or its tokens after a retry), no page stays held for
+    it, and once the link is back the same prompt gives the aggregated server's tokens."""
+    import threading
+    import time
+
+    from tests.launch import wait_for
+
+    p = prompts([3000], seed=5)[0]
+    want = aggregated(tiny_qwen3, [p], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    link.shape("10mbit", 0.2)
+    pair = None
+    try:
+        pair = Pair(link, tiny_qwen3, tmp_path, decode_toml="handoff_timeout_s = 10.0\n")
+        res: dict = {}
+
+        def ask():
+            try:
+                res["r"] = pair.complete(p, max_tokens=6)
+            except httpx.HTTPError as e:  # the client's own bound (120 s): a stuck request
+                res["r"] = {"status": None, "error": repr(e)}
+        t0 = time.monotonic()
+        th = threading.Thread(target=ask)
+        th.start()
+        time.sleep(0.6)
+        link.set_up(False)
+        th.join(60)
+        assert not th.is_alive(), "the request outlived the handoff deadline by far"
+        r = res["r"]
+        assert r["status"] == 200 and r["choices"][0]["text"] == want or (r["status"] or 0) >= 500, r
+        assert time.monotonic() - t0 < 45
+        link.set_up(True)
+        link.shape("1gbit", 0.2)
+
+        def again():
+            g = pair.complete(p, max_tokens=6)
+            return g if g["status"] == 200 else None
+        g = wait_for(again, timeout=90, interval=2.0)
+        assert g and g["choices"][0]["text"] == want, g
+        assert wait_for(lambda: (s := admin_state(pair.port))["pages"]["in_use"] == 0 and not s["running"], 30)
+    finally:
+        link.set_up(True)
+        link.shape("1gbit", 0.2)
+        if pair is not None:
+            pair.close()
