@@ -155,8 +155,8 @@ def test_the_shipped_role_configs_start_outside_systemd(tiny_qwen3, tmp_path):
         wait_ready(port, decode)
         secret = tmp_path / "control_secret"
         assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) == 64
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hello", "max_tokens": 3},
-                       timeout=60)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         out = stop(decode) + stop(prefill)
