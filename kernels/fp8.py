@@ -99,10 +99,8 @@ def gather_parts(kv: torch.Tensor, layer: int, pages: torch.Tensor, width: int, 
 
 def gather(kv: torch.Tensor, layer: int, pages: torch.Tensor, head_dim: int, dtype: torch.dtype):
     """pages [..., n] -> k, v [..., Hk, n * P, D] in `dtype`, dequantized (the twin of attention._gather)."""
-    rows = kv.view(kv.shape[0], kv.shape[1], -1)[:, layer]  # [num_pages, 2 * Hk * (P*D + 4)]
-    g = rows.index_select(0, pages.reshape(-1)).view(*pages.shape, *kv.shape[2:])  # [..., n, 2, Hk, PD+4]
-    values, scales = split(g, head_dim)  # [..., n, 2, Hk, P, D], [..., n, 2, Hk]
-    x = (values.float() * scales[..., None, None]).to(dtype)
+    x = gather_parts(kv, layer, pages.reshape(-1), head_dim, dtype)  # [N, 2, Hk, P, D]
+    x = x.view(*pages.shape, *x.shape[1:])  # [..., n, 2, Hk, P, D]
     n, _, hk, p, d = x.shape[-5:]
     x = x.movedim(-5, -3).reshape(*x.shape[:-5], 2, hk, n * p, d)
     return x[..., 0, :, :, :], x[..., 1, :, :, :]

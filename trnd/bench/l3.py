@@ -82,18 +82,15 @@ def _trnd_store(tmp: Path, gb: float) -> tuple[list, str, Path]:
 def server_pages(model: str, dtype: str, num_pages: int) -> tuple[torch.Tensor, Layout]:
     """A pool of `num_pages` pages and its layout as `trnd serve --aggregated --model M --dtype D` keeps them on
     this host (tp=1): the dtype resolved by the backend as the engine resolves it, the serve default page size."""
-    from trnd_kernels import fp8
     from trnd.backends import resolve_dtype
     from trnd.config import Shapes
-    from trnd.engine.runner import alloc_kv
+    from trnd.engine.runner import alloc_kv, pool_layout
     from trnd.model.config import ModelConfig
 
     mc = ModelConfig.from_dir(model, resolve_dtype(dtype)[0])
-    page_size, kind = Shapes().page_size, mc.pool  # the pool kind: GQA's K and V heads, or MLA's latent rows
-    pool = alloc_kv(mc, kind.heads, num_pages, page_size)
-    itemsize, scale_bytes = fp8.block_bytes(pool.dtype, page_size, kind.width)
-    return pool, Layout(mc.num_layers, page_size, kind.width, itemsize, ((0, kind.heads),), scale_bytes, kind.parts,
-                        kind.name)
+    page_size, heads = Shapes().page_size, mc.pool.heads  # the pool kind: GQA's K and V heads, or MLA's latent rows
+    pool = alloc_kv(mc, heads, num_pages, page_size)
+    return pool, pool_layout(mc, page_size, pool.dtype, [(0, heads)])
 
 
 def _bits(pool: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ from pathlib import Path
 import msgspec
 import torch
 
-from trnd_kernels import fp8
 from trnd.backends import get_backend, resolve_dtype
 from trnd.backends.cpu import cpu_paths, describe, kernels_status
 from trnd.cache.budget import NodeBudget
@@ -29,7 +28,7 @@ from trnd.cache.radix import RadixCache
 from trnd.cache.tiers import Tiers
 from trnd.config import EngineKnobs, Shapes, StartupError, TierConfig, engine_conflict
 from trnd.engine.corelock import CoreLock
-from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes
+from trnd.engine.runner import ModelRunner, alloc_kv, kv_page_bytes, pool_layout
 from trnd.engine.scheduler import Scheduler, SchedulerConfig
 from trnd.model.config import ModelConfig, fingerprint, weights_identity
 from trnd.model.loader import load_model
@@ -175,13 +174,11 @@ def build(cfg: EngineConfig) -> Parts:
                                           cfg.prefix_cache), pool, radix)
     max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, num_pages * cfg.page_size)
     runner = make_runner(cfg, model, mc, pools[0], pool, scratch_page, max_model_len)
-    heads = tuple(TPGroup(r, tp.size).kv_heads(mc.pool.heads) for r in range(tp.size))
-    itemsize, scale_bytes = fp8.block_bytes(pools[0].dtype, cfg.page_size, mc.pool.width)
+    heads = [TPGroup(r, tp.size).kv_heads(mc.pool.heads) for r in range(tp.size)]
     parts = Parts(cfg=cfg, model_config=mc, tokenizer=tokenizer, model=model, tp=tp, pools=pools, workers=workers,
                   pool=pool, radix=radix, scheduler=scheduler, runner=runner, max_model_len=max_model_len,
                   namespace=namespace, scratch_page=scratch_page, kernels=kernels,
-                  layout=Layout(mc.num_layers, cfg.page_size, mc.pool.width, itemsize, heads, scale_bytes,
-                                mc.pool.parts, mc.pool.name),
+                  layout=pool_layout(mc, cfg.page_size, pools[0].dtype, heads),
                   # Per-peer transfer metrics of this process (transfer/metrics.py): the store client's reads and
                   # writes, the roles' KV handoffs; /metrics renders them with the rest (api/metrics.py).
                   xfer_metrics=TransferMetrics(Path(cfg.model).resolve().name),  # the served name: api/metrics.py

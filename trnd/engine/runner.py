@@ -15,6 +15,7 @@ from trnd_kernels.attention import AttnMeta, PrefillSeq
 from trnd.engine.request import Req
 from trnd.engine.scheduler import Batch
 from trnd.model.config import ModelConfig
+from trnd.transfer.plan import Layout
 
 
 class StepInputs(msgspec.Struct, array_like=True):
@@ -34,6 +35,15 @@ def kv_page_bytes(cfg: ModelConfig, num_kv_heads_local: int, page_size: int, kv_
     pool = cfg.pool
     itemsize, scale_bytes = fp8.block_bytes(fp8.kv_dtype(kv_cache_dtype, cfg.dtype), page_size, pool.width)
     return cfg.num_layers * pool.parts * num_kv_heads_local * (page_size * pool.width * itemsize + scale_bytes)
+
+
+def pool_layout(cfg: ModelConfig, page_size: int, pool_dtype: torch.dtype, rank_heads) -> Layout:
+    """The transfer layout (transfer/plan.py) of the pages alloc_kv makes: the pool kind's parts and row width,
+    each rank's [start, end) heads, fp8 blocks with their scales."""
+    pool = cfg.pool
+    itemsize, scale_bytes = fp8.block_bytes(pool_dtype, page_size, pool.width)
+    return Layout(cfg.num_layers, page_size, pool.width, itemsize, tuple(rank_heads), scale_bytes, pool.parts,
+                  pool.name)
 
 
 def prepare(batch: Batch, page_size: int) -> tuple[StepInputs, list[Req]]:

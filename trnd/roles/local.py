@@ -184,7 +184,6 @@ def run(cfg: LocalConfig, reload_source=None) -> int:
     while every child's own pings keep coming (each pings only while its engine loop turns),
     STOPPING/RELOADING around forwarded signals. A child that fails before the deployment was first
     ready stops it with the child's exit status; after that a dead child is restarted."""
-    from trnd.model.config import ModelConfig
     from trnd.model.maker import resolve_model
     from trnd.points import get_point
     from trnd.roles.common import point_pool
@@ -192,8 +191,7 @@ def run(cfg: LocalConfig, reload_source=None) -> int:
 
     prepare(cfg.engine.transfer_backend)  # one line here, not one per child
     model = str(resolve_model(cfg.model))
-    ModelConfig.from_dir(model)  # a bad model is one line here, not one per child
-    # so is a point this model or this memory cannot serve (each role would refuse it in turn)
+    # a bad model, or a point this model or this memory cannot serve: one line here, not one per child
     point_pool(get_point(cfg.point), Path(model), cfg.engine, cfg.engine.static or cfg.engine.compile_cache is not None)
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
     if not omp_set_by_operator() and not cfg.deploy.share_cores:
