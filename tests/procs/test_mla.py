@@ -25,7 +25,7 @@ from trnd.transfer.plan import Layout, make_plan
 
 from tests.launch import admin_state, start_store, stop, wait_for
 from tests.procs.test_disagg import Deployment, aggregated, prompts
-from tests.unit.test_engine_vs_hf import hf_greedy, prompts_of
+from tests.unit.test_engine_vs_hf import assert_batch_matches_transformers, hf_greedy, prompts_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,12 +59,7 @@ def tiny_mla(models_dir):
 def test_greedy_matches_transformers(models_dir, name):
     """Several prompts in one batch, chunked prefill (expanded form) and decode (absorbed form) through the engine."""
     model = _make(models_dir, name)
-    prompts_ = prompts_of(LENGTHS, 1000, seed=len(name))
-    expected = hf_greedy(model, prompts_, GREEDY.max_tokens)
-    llm = LLM(str(model), page_size=8, num_pages=128, chunk_size=24, token_budget=64)
-    got = [c.token_ids for c in llm.generate(prompts_, GREEDY)]
-    assert got == expected
-    assert llm.engine.check_integrity()["in_use"] == 0
+    assert_batch_matches_transformers(model, prompts_of(LENGTHS, 1000, seed=len(name)), GREEDY)
 
 
 def test_the_latent_pool_holds_one_row_per_token_and_layer(tiny_mla):

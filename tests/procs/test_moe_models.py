@@ -18,7 +18,7 @@ from trnd.model.config import ModelError
 from trnd.model.loader import load_model
 from trnd.model.maker import make_model
 
-from tests.unit.test_engine_vs_hf import hf_greedy, prompts_of
+from tests.unit.test_engine_vs_hf import assert_batch_matches_transformers, prompts_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,12 +69,7 @@ def test_greedy_matches_transformers(models_dir, name):
     if "quant" in MODELS[name]:
         pytest.importorskip("accelerate", reason="transformers needs accelerate to load quantized checkpoints")
     model = _make(models_dir, name, **MODELS[name])
-    prompts = prompts_of(LENGTHS, 1000, seed=len(name))
-    expected = hf_greedy(model, prompts, GREEDY.max_tokens)
-    llm = LLM(str(model), page_size=8, num_pages=128, chunk_size=24, token_budget=64)
-    got = [c.token_ids for c in llm.generate(prompts, GREEDY)]
-    assert got == expected
-    assert llm.engine.check_integrity()["in_use"] == 0
+    assert_batch_matches_transformers(model, prompts_of(LENGTHS, 1000, seed=len(name)), GREEDY)
 
 
 def test_gptoss_sliding_window_changes_the_output(models_dir, tiny_gptoss, tmp_path):

@@ -30,6 +30,15 @@ def prompts_of(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
+def assert_batch_matches_transformers(model_dir, prompts: list[list[int]], params: SamplingParams) -> None:
+    """The prompts in one batch through a small paged engine (8-token pages, 24-token chunks: several pages and
+    chunks a prompt) give the oracle's greedy tokens, and no page stays held after."""
+    expected = hf_greedy(model_dir, prompts, params.max_tokens)
+    llm = LLM(str(model_dir), page_size=8, num_pages=128, chunk_size=24, token_budget=64)
+    assert [c.token_ids for c in llm.generate(prompts, params)] == expected
+    assert llm.engine.check_integrity()["in_use"] == 0
+
+
 @pytest.fixture(scope="module")
 def oracle(tiny_model):
     cache = {}
