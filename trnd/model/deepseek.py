@@ -187,7 +187,8 @@ class DeepseekMoE(nn.Module):
         m = cfg.moe
         p = f"model.layers.{layer}.mlp.gate."
         self.moe = m
-        self.gate = param(m.num_experts, cfg.hidden_size, dtype=cfg.dtype, sources=[Source(p + "weight")])
+        # held in fp32, where the router computes (as transformers): not converted again at every step
+        self.gate = param(m.num_experts, cfg.hidden_size, dtype=torch.float32, sources=[Source(p + "weight")])
         self.correction = param(m.num_experts, dtype=torch.float32, sources=[Source(p + "e_score_correction_bias")]) \
             if m.router == "sigmoid_group" else None
         self.experts = Experts(cfg, layer, par, names, fp8=False)
@@ -195,6 +196,6 @@ class DeepseekMoE(nn.Module):
         self.group = par
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(F.linear(x.float(), self.gate.float()), self.moe, self.correction)
+        ids, weights = route(F.linear(x.float(), self.gate), self.moe, self.correction)
         out = self.group.all_reduce(self.experts(x, ids, weights))
         return out if self.shared is None else out + self.shared(x)
